@@ -1,0 +1,1 @@
+"""The `pivot` command line: `pivot run`, `pivot bench ...`, and the live monitor."""

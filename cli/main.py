@@ -1,0 +1,95 @@
+"""The `pivot` command: argument parsing and dispatch to the subcommands.
+
+Subcommand modules are imported lazily so that `pivot --help` stays instant even though
+a real run imports torch and DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from pivot import __version__
+from pivot.config import ConfigError
+
+DEFAULT_CONFIG = "configs/tiny.toml"
+
+
+def _cmd_version(args: argparse.Namespace) -> int:
+    print(f"pivot {__version__}")
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from pivot.cli import run
+
+    return run.main(args)
+
+
+def _cmd_bench_bus(args: argparse.Namespace) -> int:
+    from pivot.bus import bench
+
+    result = bench.run_bench(quick=args.quick)
+    print(json.dumps(result, sort_keys=True) if args.json else bench.format_table(result))
+    return 0
+
+
+def _cmd_bench_planner(args: argparse.Namespace) -> int:
+    from pivot.cli import bench_planner
+
+    kwargs = {"sizes": tuple(args.sizes)} if args.sizes else {}
+    if args.repeats:
+        kwargs["repeats"] = args.repeats
+    result = bench_planner.run_bench(seed=args.seed, **kwargs)
+    print(json.dumps(result, sort_keys=True) if args.json else bench_planner.format_table(result))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pivot",
+        description="RL post-training runtime that shifts devices between rollout, "
+        "generative reward and training while the job runs.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("version", help="print the version")
+    p.set_defaults(func=_cmd_version)
+
+    p = sub.add_parser("run", help="run an RL job from a TOML config")
+    p.add_argument("config", nargs="?", default=DEFAULT_CONFIG, help=f"default {DEFAULT_CONFIG}")
+    p.add_argument("--run-dir", default=None, help="where logs and metrics go (default runs/<time>)")
+    p.add_argument("--seed", type=int, default=None, help="override the config's seed")
+    p.set_defaults(func=_cmd_run)
+
+    bench = sub.add_parser("bench", help="benchmarks that print numbers")
+    bsub = bench.add_subparsers(dest="bench", metavar="WHAT", required=True)
+    p = bsub.add_parser("bus", help="actor layer vs raw pynng: round trip and pub/sub rate")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
+    p.set_defaults(func=_cmd_bench_bus)
+    p = bsub.add_parser("planner", help="planner decision time at 16..1024 devices")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--sizes", type=int, nargs="+", help="device counts (default 16..1024)")
+    p.add_argument("--repeats", type=int, default=None, help="decisions per size")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_bench_planner)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"pivot: config error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("pivot: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""Config errors name the file, the key, what was expected and what was found."""
+
+import pytest
+
+from pivot.config import ConfigError, ConfigStruct, decode_toml, load_toml
+
+
+class Trainer(ConfigStruct):
+    lr: float = 1e-3
+    zero_stage: int = 2
+
+
+class Cluster(ConfigStruct):
+    devices: int
+    hosts: list[str] = []
+
+
+class Job(ConfigStruct):
+    name: str
+    cluster: Cluster
+    trainer: Trainer = Trainer()
+
+
+def test_valid_config_decodes_with_defaults():
+    job = decode_toml('name = "t"\n[cluster]\ndevices = 4\n', Job, "tiny.toml")
+    assert job.cluster.devices == 4
+    assert job.trainer.zero_stage == 2
+    assert job.cluster.hosts == []
+
+
+def test_wrong_type_names_file_key_expected_found():
+    with pytest.raises(ConfigError) as err:
+        decode_toml('name = "t"\n[cluster]\ndevices = "four"\n', Job, "tiny.toml")
+    e = err.value
+    assert (e.source, e.key, e.expected) == ("tiny.toml", "cluster.devices", "int")
+    assert "'four'" in e.found
+    assert str(e) == "tiny.toml: key 'cluster.devices': expected int, found str 'four'"
+
+
+def test_unknown_key_is_an_error_not_ignored():
+    with pytest.raises(ConfigError) as err:
+        decode_toml('name = "t"\n[cluster]\ndevices = 4\ndevice = 5\n', Job, "x.toml")
+    assert err.value.key == "cluster.device"
+    assert "unknown" in str(err.value)
+
+
+def test_missing_required_key():
+    with pytest.raises(ConfigError) as err:
+        decode_toml('name = "t"\n[cluster]\n', Job, "x.toml")
+    assert err.value.key == "cluster.devices"
+    assert err.value.found == "nothing"
+
+
+def test_list_element_path():
+    with pytest.raises(ConfigError) as err:
+        decode_toml('name = "t"\n[cluster]\ndevices = 1\nhosts = ["a", 3]\n', Job, "x.toml")
+    assert err.value.key == "cluster.hosts[1]"
+    assert err.value.expected == "str"
+    assert err.value.found == "int 3"
+
+
+def test_syntax_error_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        decode_toml("name = \n", Job, "bad.toml")
+    assert "bad.toml" in str(err.value) and "TOML" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_toml(tmp_path / "nope.toml", Job)
+    assert "no such file" in str(err.value)
+
+
+def test_load_toml_reads_file(tmp_path):
+    p = tmp_path / "job.toml"
+    p.write_text('name = "j"\n[cluster]\ndevices = 2\n[trainer]\nlr = 0.5\n')
+    job = load_toml(p, Job)
+    assert job.trainer.lr == 0.5 and job.name == "j"
