@@ -47,6 +47,13 @@ def _cmd_bench_planner(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_gps(args: argparse.Namespace) -> int:
+    from pivot.cli import bench_gps
+
+    bench_gps.main(threads=args.threads, repeat=args.repeat)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pivot",
@@ -76,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=None, help="decisions per size")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_bench_planner)
+    p = bsub.add_parser("gps", help="parameter store Write/Read throughput (GB/s)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads")
+    p.add_argument("--repeat", type=int, default=10)
+    p.set_defaults(func=_cmd_bench_gps)
     return parser
 
 
