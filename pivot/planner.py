@@ -1,0 +1,567 @@
+"""The shift planner: given a snapshot, whether and how to move devices between roles.
+
+Five steps (DESIGN.md, "The planner"; the authors' code as paper-notes.md section 2 reads it):
+
+1. pick the bottleneck role: the smaller T/N (both on a tie; the loaded one if the other has
+   no demand);
+2. find where it can grow (``candidates.wake_groups``): free devices, then the trainer pool
+   while the trainer waits, else devices of evictable replicas of the other role;
+3. one cheapest plan per wake count (``candidates.best_plans``);
+4. simulate each plan at request level (``evaluation.simulate_role``) and evaluate the
+   objective T = (N_roll + N_rm) / (N_roll/T_roll + N_rm/T_rm);
+5. score ``L = H*dT - Phi`` with ``Phi = sum over victims of migrate_time / ITL * running``
+   and act on the best plan if L > min_gain.
+
+Gates: one shift at a time, a cooldown after each action, immunity of newly woken replicas
+from eviction, at most ``max_moves_per_action`` wakes per plan. Training moves as a whole and
+ahead of everything else: a waiting trainer lends its pool, a ready one takes it all back.
+
+Pure and synchronous: ``now`` comes in the snapshot, phase times from an injected timer.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping
+from typing import Annotated, Literal
+
+import msgspec
+import numpy as np
+
+from pivot.candidates import BLOCKED, FREE, CandidatePlan, best_plans, wake_groups
+from pivot.cluster import INFERENCE_ROLES, ClusterSpec, Move, Role, other_inference_role
+from pivot.config import ConfigStruct
+from pivot.cost import CostModel
+from pivot.evaluation import RoleLoad, RoleOutcome, build_role_load, objective, simulate_role
+from pivot.routing import REWARD_ROUTER, ROLLOUT_ROUTER, RouterSettings, make_router
+from pivot.snapshot import ClusterSnapshot, ReplicaState, SnapshotError, TrainerPhase
+
+NonNegative = Annotated[float, msgspec.Meta(ge=0.0)]
+TRAINER_ID = "trainer"
+_CODE = {role: i for i, role in enumerate(Role)}
+
+
+class PlannerSettings(ConfigStruct, kw_only=True):
+    """Defaults are the paper launchers' (reference/paper-notes.md, section 2.3)."""
+
+    horizon_s: NonNegative = 60.0  # H
+    min_gain: NonNegative = 0.05  # act only if L = H*dT - Phi exceeds this (tokens)
+    cooldown_s: NonNegative = 10.0
+    immunity_s: NonNegative = 10.0  # a newly woken replica is no victim for this long
+    max_moves_per_action: Annotated[int, msgspec.Meta(ge=1)] = 32  # wakes per plan
+    min_awake_per_role: Annotated[int, msgspec.Meta(ge=0)] = 0
+    migrate_time_init_s: NonNegative = 5.0
+    migrate_time_alpha: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.2
+    # ablations
+    policy: Literal["cost_model", "rule_based"] = "cost_model"
+    rebalance: bool = True
+    lend_trainer_pool: bool = True
+    # rule-based policy: KV-cache pressure thresholds
+    kv_high: Annotated[float, msgspec.Meta(gt=0.0)] = 0.8
+    kv_low: NonNegative = 0.1
+
+
+class PhaseTimings(msgspec.Struct, frozen=True):
+    preprocess_s: float = 0.0  # state analysis: arrays, baseline, bottleneck
+    construction_s: float = 0.0  # slots, groups, one plan per count
+    simulation_s: float = 0.0  # request-level evaluation of every candidate
+    total_s: float = 0.0
+
+
+class Migration(msgspec.Struct, frozen=True):
+    """Abort ``seq_id`` on ``source``; dispatch it to ``target``, or to the queue when None."""
+
+    seq_id: int
+    source: str
+    target: str | None
+
+
+class ShiftPlan(msgspec.Struct, frozen=True, kw_only=True):
+    kind: Literal["shift", "lend_trainer", "reclaim_trainer"]
+    receiver: Role  # the role that gains devices (FREE when the trainer lends its pool)
+    moves: tuple[Move, ...]  # evictions first, then wakes
+    migrations: tuple[Migration, ...] = ()
+    delta_throughput: float = 0.0  # tokens/s, objective after - before
+    phi: float = 0.0  # tokens lost while the victims' sequences migrate
+    expected_gain: float = 0.0  # L = H*dT - Phi (tokens)
+    objective_before: float = 0.0
+    objective_after: float = 0.0
+
+    @property
+    def evictions(self) -> tuple[Move, ...]:
+        return tuple(m for m in self.moves if m.kind == "evict")
+
+    @property
+    def wakes(self) -> tuple[Move, ...]:
+        return tuple(m for m in self.moves if m.kind == "wake")
+
+
+class CandidateScore(msgspec.Struct, frozen=True):
+    receiver: Role
+    wakes: int
+    victims: int
+    delta_throughput: float
+    phi: float
+    score: float  # L
+
+
+class Decision(msgspec.Struct, frozen=True, kw_only=True):
+    plan: ShiftPlan | None
+    reason: str
+    bottleneck: tuple[Role, ...] = ()
+    objective: float = 0.0
+    candidates: tuple[CandidateScore, ...] = ()
+    timings: PhaseTimings = PhaseTimings()
+
+
+class _Phases:
+    def __init__(self, timer: Callable[[], float] | None) -> None:
+        self._timer = timer
+        self._start = self._last = timer() if timer else 0.0
+        self.spent: list[float] = []
+
+    def mark(self) -> None:
+        if self._timer:
+            now = self._timer()
+            self.spent.append(now - self._last)
+            self._last = now
+
+    def timings(self) -> PhaseTimings:
+        if not self._timer:
+            return PhaseTimings()
+        total = self._timer() - self._start
+        parts = (self.spent + [0.0, 0.0, 0.0])[:3]
+        return PhaseTimings(*parts, total_s=total)
+
+
+def _evict(replica: ReplicaState) -> Move:
+    return Move("evict", replica.id, replica.role, replica.devices)
+
+
+def _to_queue(replicas: list[ReplicaState]) -> tuple[Migration, ...]:
+    return tuple(Migration(s, r.id, None) for r in replicas for s in r.seq_ids)
+
+
+def _itl_of(replica: ReplicaState, model: CostModel) -> float:
+    if replica.itl_s > 0:
+        return replica.itl_s
+    return model.itl_one(replica.running, sum(replica.seq_tokens))
+
+
+def plan_shift(
+    spec: ClusterSpec,
+    snapshot: ClusterSnapshot,
+    cost_models: Mapping[Role, CostModel],
+    *,
+    settings: PlannerSettings | None = None,
+    routers: Mapping[Role, RouterSettings] | None = None,
+    migrate_time_s: float | None = None,
+    last_action_at: float | None = None,
+    timer: Callable[[], float] | None = None,
+) -> Decision:
+    """One planner decision. Pure: the same arguments give the same decision."""
+    settings = settings or PlannerSettings()
+    routers = routers or {Role.ROLLOUT: ROLLOUT_ROUTER, Role.REWARD: REWARD_ROUTER}
+    migrate = settings.migrate_time_init_s if migrate_time_s is None else migrate_time_s
+    phases = _Phases(timer)
+
+    def done(plan: ShiftPlan | None, reason: str, **extra) -> Decision:
+        return Decision(plan=plan, reason=reason, timings=phases.timings(), **extra)
+
+    if snapshot.shift_in_flight:
+        return done(None, "a shift is in flight")
+    now = snapshot.now
+    by_role: dict[Role, list[ReplicaState]] = {r: [] for r in Role}
+    local = np.empty(len(snapshot.replicas), dtype=np.int64)
+    role_of = np.empty(len(snapshot.replicas), dtype=np.int64)
+    for i, replica in enumerate(snapshot.replicas):
+        same = by_role[replica.role]
+        local[i] = len(same)
+        role_of[i] = _CODE[replica.role]
+        same.append(replica)
+
+    holder_of_device = _device_owners(spec, snapshot)
+    trainer = _trainer_plan(spec, snapshot, by_role, settings, cost_models, migrate)
+    if trainer is not None:
+        return done(trainer[0], trainer[1])
+    if last_action_at is not None and now - last_action_at < settings.cooldown_s:
+        left = settings.cooldown_s - (now - last_action_at)
+        return done(None, f"cooldown: {left:.1f} s left")
+
+    loads = {
+        role: build_role_load(
+            role,
+            by_role[role],
+            snapshot.queue(role),
+            cost_models[role],
+            make_router(routers[role], cost_models[role]),
+        )
+        for role in INFERENCE_ROLES
+    }
+    lendable = (
+        settings.lend_trainer_pool
+        and snapshot.trainer is TrainerPhase.WAITING
+        and not by_role[Role.TRAINING]
+    )
+    if settings.policy == "rule_based":
+        phases.mark()
+        return _rule_based(
+            spec, snapshot, loads, holder_of_device, local, role_of, lendable, settings, done
+        )
+
+    baseline = {role: float(simulate_role(loads[role]).throughput[0]) for role in INFERENCE_ROLES}
+    demand = tuple(loads[r].demand for r in INFERENCE_ROLES)
+    before = objective(demand, tuple(baseline[r] for r in INFERENCE_ROLES))
+    receivers = _bottleneck(loads, baseline)
+    phases.mark()
+    if not receivers:
+        return done(None, "no demand in either inference role")
+
+    plans: list[tuple[Role, CandidatePlan]] = []
+    for receiver in receivers:
+        donor = other_inference_role(receiver)
+        phi, evictable = _victim_table(loads[donor], now, settings, migrate)
+        holder = _holders(
+            spec, holder_of_device, local, role_of == _CODE[donor], evictable, lendable
+        )
+        groups = wake_groups(spec.slots(receiver), holder, spec.is_trainer_pool, phi)
+        for plan in best_plans(groups, settings.max_moves_per_action, phi):
+            plans.append((receiver, plan))
+    phases.mark()
+
+    outcomes: dict[Role, RoleOutcome] = {}
+    if plans:
+        for role in INFERENCE_ROLES:
+            grows = [receiver is role for receiver, _ in plans]
+            outcomes[role] = simulate_role(
+                loads[role],
+                [() if g else p.victims for g, (_, p) in zip(grows, plans, strict=True)],
+                [len(p.slots) if g else 0 for g, (_, p) in zip(grows, plans, strict=True)],
+                [g and settings.rebalance for g in grows],
+            )
+    scores: list[CandidateScore] = []
+    for i, (receiver, plan) in enumerate(plans):
+        after = tuple(float(outcomes[r].throughput[i]) for r in INFERENCE_ROLES)
+        gain = objective(demand, after) - before
+        scores.append(
+            CandidateScore(
+                receiver=receiver,
+                wakes=len(plan.slots),
+                victims=len(plan.victims),
+                delta_throughput=gain,
+                phi=plan.phi,
+                score=settings.horizon_s * gain - plan.phi,
+            )
+        )
+    phases.mark()
+
+    extra = {"bottleneck": tuple(receivers), "objective": before, "candidates": tuple(scores)}
+    if not scores:
+        names = " or ".join(r.value for r in receivers)
+        return done(None, f"nowhere to grow {names}", **extra)
+    best = max(range(len(scores)), key=lambda i: (scores[i].score, -scores[i].wakes))
+    top = scores[best]
+    if not top.score > settings.min_gain:
+        return done(
+            None, f"best L = {top.score:.3g} tokens does not beat {settings.min_gain}", **extra
+        )
+    receiver, chosen = plans[best]
+    grown = outcomes[receiver]
+    moved = (grown.routed[best], grown.running[best]) if grown.rebalanced[best] else None
+    shift = _shift_plan(spec, snapshot, loads, receiver, chosen, moved, top, before)
+    reason = (
+        f"{receiver.value} +{top.wakes} (evicting {top.victims}): "
+        f"dT = {top.delta_throughput:.4g} tok/s, Phi = {top.phi:.4g}, L = {top.score:.4g}"
+    )
+    return done(shift, reason, **extra)
+
+
+def _trainer_plan(
+    spec: ClusterSpec,
+    snapshot: ClusterSnapshot,
+    by_role: dict[Role, list[ReplicaState]],
+    settings: PlannerSettings,
+    cost_models: Mapping[Role, CostModel],
+    migrate: float,
+) -> tuple[ShiftPlan, str] | None:
+    """Training shifts as a whole, before anything else and past the cooldown."""
+    if not spec.trainer_pool:
+        return None
+    held = by_role[Role.TRAINING]
+    if snapshot.trainer is TrainerPhase.READY and not held:
+        pool = set(spec.trainer_pool)
+        victims = [
+            r
+            for r in snapshot.replicas
+            if r.role in INFERENCE_ROLES and not pool.isdisjoint(r.devices)
+        ]
+        phi = sum(
+            migrate / _itl_of(r, cost_models[r.role]) * r.running for r in victims if r.running
+        )
+        moves = (
+            *(_evict(r) for r in victims),
+            Move("wake", TRAINER_ID, Role.TRAINING, spec.trainer_pool),
+        )
+        plan = ShiftPlan(
+            kind="reclaim_trainer",
+            receiver=Role.TRAINING,
+            moves=moves,
+            migrations=_to_queue(victims),
+            phi=phi,
+            expected_gain=-phi,
+        )
+        return plan, f"trainer ready: reclaim its pool ({len(victims)} replicas evicted)"
+    if snapshot.trainer is TrainerPhase.WAITING and held and settings.lend_trainer_pool:
+        plan = ShiftPlan(kind="lend_trainer", receiver=Role.FREE, moves=(_evict(held[0]),))
+        return plan, "trainer waiting: lend its pool"
+    return None
+
+
+def _device_owners(spec: ClusterSpec, snapshot: ClusterSnapshot) -> np.ndarray:
+    """Per device, the index of the snapshot replica holding it, or -1."""
+    lengths = np.fromiter((len(r.devices) for r in snapshot.replicas), np.int64)
+    devices = np.fromiter(
+        itertools.chain.from_iterable(r.devices for r in snapshot.replicas),
+        np.int64,
+        int(lengths.sum()),
+    )
+    if devices.size and (devices.min() < 0 or devices.max() >= spec.size):
+        raise SnapshotError(f"a replica names a device outside 0..{spec.size - 1}")
+    counts = np.bincount(devices, minlength=spec.size)
+    if (counts > 1).any():
+        raise SnapshotError(f"devices held twice: {np.flatnonzero(counts > 1).tolist()}")
+    owner = np.full(spec.size, -1, dtype=np.int64)
+    owner[devices] = np.repeat(np.arange(len(snapshot.replicas)), lengths)
+    return owner
+
+
+def _holders(
+    spec: ClusterSpec,
+    owner: np.ndarray,
+    local: np.ndarray,
+    donor_rows: np.ndarray,
+    evictable: np.ndarray,
+    lendable: bool,
+) -> np.ndarray:
+    """Per device: FREE, BLOCKED, or the donor-role index of the evictable replica on it.
+
+    ``owner``: snapshot replica per device (-1 free); ``local``: a snapshot replica's index
+    within its role; ``donor_rows``: which snapshot replicas belong to the donor role.
+    """
+    holder = np.full(spec.size, BLOCKED, dtype=np.int64)
+    free = owner < 0
+    if not lendable:
+        free &= ~spec.is_trainer_pool
+    holder[free] = FREE
+    devices = np.flatnonzero(owner >= 0)
+    devices = devices[donor_rows[owner[devices]]]
+    idx = local[owner[devices]]
+    ok = evictable[idx]
+    holder[devices[ok]] = idx[ok]
+    return holder
+
+
+def _victim_table(
+    donor: RoleLoad, now: float, settings: PlannerSettings, migrate: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """Phi per donor replica, and which ones may be evicted (not immune, above min awake)."""
+    replicas = donor.replicas
+    itl = np.array([r.itl_s for r in replicas], dtype=np.float64)
+    modelled = donor.model.itl(donor.running, donor.tokens)
+    itl = np.where(itl > 0, itl, modelled)
+    phi = migrate / itl * donor.running
+    woken = np.array(
+        [-np.inf if r.woken_at is None else r.woken_at for r in replicas], dtype=np.float64
+    )
+    evictable = now - woken >= settings.immunity_s
+    keep = settings.min_awake_per_role
+    if keep:
+        # protect the most productive replicas; the rest may go
+        productive = np.argsort(-donor.model.throughput(donor.running, donor.tokens), kind="stable")
+        evictable[productive[:keep]] = False
+    return phi, evictable
+
+
+def _bottleneck(loads: dict[Role, RoleLoad], baseline: dict[Role, float]) -> list[Role]:
+    ratio = {
+        role: baseline[role] / loads[role].demand
+        for role in INFERENCE_ROLES
+        if loads[role].demand > 0
+    }
+    if not ratio:
+        return []
+    if len(ratio) == 1:
+        return list(ratio)
+    low = min(ratio.values())
+    high = max(ratio.values())
+    if high - low <= 1e-9 * max(high, 1e-300):
+        return list(INFERENCE_ROLES)
+    return [min(ratio, key=ratio.__getitem__)]
+
+
+def _new_ids(role: Role, slots: list[tuple[int, ...]], taken: set[str]) -> list[str]:
+    ids = []
+    for devices in slots:
+        name = base = f"{role.value}@{devices[0]}"
+        n = 1
+        while name in taken:
+            n += 1
+            name = f"{base}#{n}"
+        taken.add(name)
+        ids.append(name)
+    return ids
+
+
+def _shift_plan(
+    spec: ClusterSpec,
+    snapshot: ClusterSnapshot,
+    loads: dict[Role, RoleLoad],
+    receiver: Role,
+    chosen: CandidatePlan,
+    rebalance: tuple[np.ndarray, np.ndarray] | None,
+    score: CandidateScore,
+    before: float,
+) -> ShiftPlan:
+    donor = loads[other_inference_role(receiver)]
+    victims = [donor.replicas[v] for v in chosen.victims]
+    table = spec.slots(receiver)
+    slot_devices = [tuple(table[s].tolist()) for s in chosen.slots]
+    new_ids = _new_ids(receiver, slot_devices, {r.id for r in snapshot.replicas})
+    moves = (
+        *(_evict(r) for r in victims),
+        *(Move("wake", i, receiver, d) for i, d in zip(new_ids, slot_devices, strict=True)),
+    )
+    migrations = list(_to_queue(victims))
+    if rebalance is not None:
+        migrations.extend(_rebalance_moves(loads[receiver], new_ids, *rebalance))
+    return ShiftPlan(
+        kind="shift",
+        receiver=receiver,
+        moves=moves,
+        migrations=tuple(migrations),
+        delta_throughput=score.delta_throughput,
+        phi=score.phi,
+        expected_gain=score.score,
+        objective_before=before,
+        objective_after=before + score.delta_throughput,
+    )
+
+
+def _rebalance_moves(
+    load: RoleLoad, new_ids: list[str], routed: np.ndarray, final: np.ndarray
+) -> list[Migration]:
+    """Shortest running sequences of the replicas that lose load go to those that gain it."""
+    ids = [r.id for r in load.replicas] + new_ids
+    change = (final - routed)[: len(ids)]  # rows past these belong to no replica here
+    takers = [(ids[i], int(n)) for i, n in enumerate(change) if n > 0]
+    out: list[Migration] = []
+    slot = 0
+    for i in np.flatnonzero(change < 0).tolist():
+        replica = load.replicas[i]
+        order = np.argsort(np.asarray(replica.seq_tokens), kind="stable")[: int(-change[i])]
+        for k in order.tolist():
+            name, room = takers[slot]
+            out.append(Migration(replica.seq_ids[k], replica.id, name))
+            takers[slot] = (name, room - 1)
+            if room == 1:
+                slot += 1
+    return out
+
+
+def _rule_based(
+    spec: ClusterSpec,
+    snapshot: ClusterSnapshot,
+    loads: dict[Role, RoleLoad],
+    owner: np.ndarray,
+    local: np.ndarray,
+    role_of: np.ndarray,
+    lendable: bool,
+    settings: PlannerSettings,
+    done: Callable[..., Decision],
+) -> Decision:
+    """The ablation baseline: KV-cache pressure thresholds, growing onto idle devices only."""
+    pressure = {}
+    for role in INFERENCE_ROLES:
+        load = loads[role]
+        want = float(load.tokens.sum()) + load.queue.tokens
+        room = len(load.replicas) * spec.roles[role].kv_capacity_tokens
+        pressure[role] = 0.0 if want == 0 else (np.inf if room == 0 else want / room)
+    receiver = max(INFERENCE_ROLES, key=lambda r: pressure[r])
+    if pressure[receiver] < settings.kv_high:
+        return done(None, "rule-based: no role above the KV threshold")
+    donor = loads[other_inference_role(receiver)]
+    idle = donor.running == 0
+    if pressure[donor.role] > settings.kv_low:
+        idle[:] = False
+    woken = np.array([-np.inf if r.woken_at is None else r.woken_at for r in donor.replicas])
+    idle &= snapshot.now - woken >= settings.immunity_s
+    spare = len(donor.replicas) - settings.min_awake_per_role
+    if idle.sum() > max(spare, 0):
+        idle[np.flatnonzero(idle)[max(spare, 0) :]] = False
+    phi = np.zeros(len(donor.replicas))
+    holder = _holders(spec, owner, local, role_of == _CODE[donor.role], idle, lendable)
+    groups = wake_groups(spec.slots(receiver), holder, spec.is_trainer_pool, phi)
+    plans = best_plans(groups, settings.max_moves_per_action, phi)
+    if not plans:
+        return done(None, f"rule-based: no idle devices for {receiver.value}")
+    chosen = plans[-1]
+    score = CandidateScore(receiver, len(chosen.slots), len(chosen.victims), 0.0, 0.0, 0.0)
+    plan = _shift_plan(spec, snapshot, loads, receiver, chosen, None, score, 0.0)
+    return done(
+        plan,
+        f"rule-based: {receiver.value} +{len(chosen.slots)} onto idle devices",
+        bottleneck=(receiver,),
+    )
+
+
+class Planner:
+    """``plan_shift`` with the state it needs between decisions.
+
+    Holds the cooldown clock (``now`` of the last shift it returned) and the running average
+    of observed shift time that prices Phi. The executor reports each finished shift through
+    ``record_shift_time``; the monitor updates cost models through ``set_cost_model``.
+    """
+
+    def __init__(
+        self,
+        spec: ClusterSpec,
+        cost_models: Mapping[Role, CostModel],
+        settings: PlannerSettings | None = None,
+        routers: Mapping[Role, RouterSettings] | None = None,
+        timer: Callable[[], float] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.settings = settings or PlannerSettings()
+        self.cost_models = dict(cost_models)
+        for role in INFERENCE_ROLES:
+            if role not in self.cost_models:
+                raise ValueError(f"no cost model for role {role.value!r}")
+        self.routers = dict(routers or {Role.ROLLOUT: ROLLOUT_ROUTER, Role.REWARD: REWARD_ROUTER})
+        self.timer = timer
+        self.migrate_time_s = self.settings.migrate_time_init_s
+        self.last_action_at: float | None = None
+
+    def set_cost_model(self, role: Role, model: CostModel) -> None:
+        self.cost_models[role] = model
+
+    def record_shift_time(self, seconds: float) -> None:
+        """Fold one observed shift duration (shift-down + shift-up) into the average."""
+        if seconds < 0:
+            raise ValueError(f"a shift cannot take {seconds} s")
+        alpha = self.settings.migrate_time_alpha
+        self.migrate_time_s = (1 - alpha) * self.migrate_time_s + alpha * seconds
+
+    def decide(self, snapshot: ClusterSnapshot) -> Decision:
+        decision = plan_shift(
+            self.spec,
+            snapshot,
+            self.cost_models,
+            settings=self.settings,
+            routers=self.routers,
+            migrate_time_s=self.migrate_time_s,
+            last_action_at=self.last_action_at,
+            timer=self.timer,
+        )
+        if decision.plan is not None and decision.plan.kind == "shift":
+            self.last_action_at = snapshot.now
+        return decision

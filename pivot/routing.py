@@ -1,0 +1,416 @@
+"""Routing from a role's shared waiting queue to its replicas, and the role scheduler core.
+
+One protocol, ``Router``, three small rules:
+
+* ``ThroughputOptimalRouter`` (rollout): the replica whose throughput T = running / ITL gains
+  most from one more sequence; admitted only if that gain is at least
+  ``delta_throughput_threshold`` x 1/ITL(1, sequence length) and the replica is under its cap.
+* ``LowestItlRouter`` (reward): the smallest (ITL(load + 1), load, position), under the cap.
+* ``RoundRobinRouter`` (baselines): the next replica in turn that is under its cap.
+
+Each rule routes one sequence (``choose``) and scores, for a batch of sequences of one mean
+length, each (replica, k-th more sequence) slot (``slot_scores``). With one cost model per
+role, every rule's scores fall as a replica fills, so routing the batch one sequence at a
+time hands out the batch's highest slot scores: ``place_many`` and the planner's simulation
+route thousands of sequences with numpy instead of a Python loop per sequence.
+
+``RoleScheduler`` is the pure core of a Scheduler actor: the queue, the replica table, the
+router, Abort (sequences leave a replica with their partial output and go to the front of
+the queue) and Dispatch (a receiver re-prefills prompt + partial output; counted).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Annotated, Literal, Protocol
+
+import msgspec
+import numpy as np
+
+from pivot.cluster import Role
+from pivot.config import ConfigStruct
+from pivot.cost import CostModel
+from pivot.queue import Owner, Sequence, SequenceLedger, WaitingQueue
+
+RouterPolicy = Literal["throughput_optimal", "lowest_itl", "round_robin"]
+
+
+class RouterSettings(ConfigStruct, kw_only=True):
+    policy: RouterPolicy
+    delta_throughput_threshold: Annotated[float, msgspec.Meta(ge=0.0)] = 0.2
+    max_concurrent_per_replica: Annotated[int, msgspec.Meta(ge=1)] = 512
+
+
+# The paper launchers' router settings (reference/paper-notes.md, section 2.5)
+ROLLOUT_ROUTER = RouterSettings(
+    policy="throughput_optimal", delta_throughput_threshold=0.2, max_concurrent_per_replica=512
+)
+REWARD_ROUTER = RouterSettings(
+    policy="lowest_itl", delta_throughput_threshold=0.005, max_concurrent_per_replica=128
+)
+
+
+class Router(Protocol):
+    settings: RouterSettings
+    model: CostModel
+
+    def choose(self, running: np.ndarray, tokens: np.ndarray, seq_tokens: float) -> int:
+        """Index of the replica for one sequence of ``seq_tokens`` tokens, or -1: stay queued."""
+        ...
+
+    def slot_scores(
+        self, running: np.ndarray, tokens: np.ndarray, k_max: int, mean_tokens: float
+    ) -> np.ndarray:
+        """How much the rule wants to give each replica its k-th more sequence, k = 1..k_max.
+
+        A (replicas, k_max) array that never rises along a row, -inf where the rule would
+        not admit. Routing n sequences of ``mean_tokens`` one at a time hands out the n
+        highest scores, which is what ``place_many`` and the planner's simulation rely on.
+        """
+        ...
+
+
+def _grid(
+    running: np.ndarray, tokens: np.ndarray, k_max: int, mean_tokens: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    ks = np.arange(1, k_max + 1)
+    rr = running[:, None] + ks[None, :]
+    tt = tokens[:, None] + ks[None, :] * mean_tokens
+    return ks, rr, tt
+
+
+def _over_cap(running: np.ndarray, ks: np.ndarray, cap: int) -> np.ndarray:
+    return running[:, None] + ks[None, :] > cap
+
+
+class ThroughputOptimalRouter:
+    def __init__(self, settings: RouterSettings, model: CostModel) -> None:
+        self.settings = settings
+        self.model = model
+
+    def _floor(self, seq_tokens: float) -> float:
+        return self.settings.delta_throughput_threshold / self.model.itl_one(1, seq_tokens)
+
+    def choose(self, running: np.ndarray, tokens: np.ndarray, seq_tokens: float) -> int:
+        if running.size == 0:
+            return -1
+        m = self.model
+        gain = m.throughput(running + 1, tokens + seq_tokens) - m.throughput(running, tokens)
+        gain = np.where(running < self.settings.max_concurrent_per_replica, gain, -np.inf)
+        best = int(np.argmax(gain))
+        return best if gain[best] >= self._floor(seq_tokens) and np.isfinite(gain[best]) else -1
+
+    def slot_scores(
+        self, running: np.ndarray, tokens: np.ndarray, k_max: int, mean_tokens: float
+    ) -> np.ndarray:
+        ks, rr, tt = _grid(running, tokens, k_max, mean_tokens)
+        t_k = self.model.throughput(rr, tt)
+        t_prev = np.empty_like(t_k)
+        t_prev[:, 0] = self.model.throughput(running, tokens)
+        t_prev[:, 1:] = t_k[:, :-1]
+        gain = t_k - t_prev
+        refused = (gain < self._floor(mean_tokens)) | _over_cap(
+            running, ks, self.settings.max_concurrent_per_replica
+        )
+        gain[refused] = -np.inf
+        return gain
+
+
+class LowestItlRouter:
+    def __init__(self, settings: RouterSettings, model: CostModel) -> None:
+        self.settings = settings
+        self.model = model
+
+    def choose(self, running: np.ndarray, tokens: np.ndarray, seq_tokens: float) -> int:
+        open_ = running < self.settings.max_concurrent_per_replica
+        if not open_.any():
+            return -1
+        idx = np.flatnonzero(open_)
+        itl_next = self.model.itl(running[idx] + 1, tokens[idx] + seq_tokens)
+        # lexsort: last key first; ties on ITL go to the lighter load, then the lower position
+        order = np.lexsort((idx, running[idx], itl_next))
+        return int(idx[order[0]])
+
+    def slot_scores(
+        self, running: np.ndarray, tokens: np.ndarray, k_max: int, mean_tokens: float
+    ) -> np.ndarray:
+        ks, rr, tt = _grid(running, tokens, k_max, mean_tokens)
+        score = -self.model.itl(rr, tt)
+        score[_over_cap(running, ks, self.settings.max_concurrent_per_replica)] = -np.inf
+        return score
+
+
+class RoundRobinRouter:
+    def __init__(self, settings: RouterSettings, model: CostModel) -> None:
+        self.settings = settings
+        self.model = model
+        self._turn = 0
+
+    def choose(self, running: np.ndarray, tokens: np.ndarray, seq_tokens: float) -> int:
+        n = running.size
+        for step in range(n):
+            i = (self._turn + step) % n
+            if running[i] < self.settings.max_concurrent_per_replica:
+                self._turn = i + 1
+                return i
+        return -1
+
+    def slot_scores(
+        self, running: np.ndarray, tokens: np.ndarray, k_max: int, mean_tokens: float
+    ) -> np.ndarray:
+        ks = np.arange(1, k_max + 1)
+        # everyone's k-th turn comes before anyone's (k+1)-th; within a round, by position
+        n = running.size
+        score = -(ks[None, :] * n + np.arange(n)[:, None]).astype(np.float64)
+        score[_over_cap(running, ks, self.settings.max_concurrent_per_replica)] = -np.inf
+        return score
+
+
+def place_many(
+    router: Router, running: np.ndarray, tokens: np.ndarray, count: int, mean_tokens: float
+) -> np.ndarray:
+    """How many of ``count`` sequences (each ``mean_tokens`` long) each replica admits.
+
+    The batch form of calling ``choose`` ``count`` times: the ``count`` highest slot scores.
+    """
+    n = np.zeros(running.size, dtype=np.int64)
+    if running.size == 0 or count <= 0:
+        return n
+    score = router.slot_scores(running, tokens, count, mean_tokens)
+    flat = score.ravel()
+    eligible = np.flatnonzero(np.isfinite(flat))
+    if eligible.size > count:
+        eligible = eligible[np.argsort(-flat[eligible], kind="stable")[:count]]
+    return np.bincount(eligible // count, minlength=running.size)
+
+
+def make_router(settings: RouterSettings, model: CostModel) -> Router:
+    match settings.policy:
+        case "throughput_optimal":
+            return ThroughputOptimalRouter(settings, model)
+        case "lowest_itl":
+            return LowestItlRouter(settings, model)
+        case "round_robin":
+            return RoundRobinRouter(settings, model)
+    raise ValueError(f"unknown router policy {settings.policy!r}")
+
+
+class Dispatch(msgspec.Struct, frozen=True):
+    """A sequence sent to a replica; ``prefill_tokens`` is what the replica must prefill."""
+
+    seq_id: int
+    replica_id: str
+    prefill_tokens: int
+    reprefill: bool  # True when the sequence carries a partial output from an aborted run
+
+
+class RoleScheduler:
+    """The pure core of one role's Scheduler: shared queue, replica table, routing, migration.
+
+    Every change of a sequence's holder goes through the shared ``SequenceLedger``, so
+    ``check_ownership`` can prove after any event that nothing was lost or duplicated.
+    """
+
+    def __init__(self, role: Role, router: Router, ledger: SequenceLedger) -> None:
+        self.role = role
+        self.router = router
+        self.ledger = ledger
+        self.queue = WaitingQueue(role)
+        self._owner = Owner.queue(role)
+        self._running: dict[str, dict[int, Sequence]] = {}
+        self._ids: list[str] = []
+        self._load = np.zeros(0, dtype=np.int64)
+        self._tokens = np.zeros(0, dtype=np.float64)
+        self._pos: dict[str, int] = {}
+        self.reprefill_tokens = 0
+        self.reprefills = 0
+        self.aborts = 0
+
+    # --- replicas -----------------------------------------------------------------------
+
+    def _reindex(self) -> None:
+        self._ids = sorted(self._running)
+        self._pos = {rid: i for i, rid in enumerate(self._ids)}
+        self._load = np.array([len(self._running[r]) for r in self._ids], dtype=np.int64)
+        self._tokens = np.array(
+            [sum(s.tokens for s in self._running[r].values()) for r in self._ids],
+            dtype=np.float64,
+        )
+
+    @property
+    def replicas(self) -> list[str]:
+        return list(self._ids)
+
+    def add_replica(self, replica_id: str) -> None:
+        if replica_id in self._running:
+            raise ValueError(f"{self.role.value} replica {replica_id!r} is already registered")
+        self._running[replica_id] = {}
+        self._reindex()
+
+    def remove_replica(
+        self, replica_id: str, generated: Mapping[int, int] | None = None
+    ) -> list[Sequence]:
+        """Shift-down: abort everything the replica runs, then forget the replica."""
+        aborted = self.abort(replica_id, None, generated)
+        del self._running[replica_id]
+        self._reindex()
+        return aborted
+
+    def running_on(self, replica_id: str) -> list[Sequence]:
+        return list(self._replica(replica_id).values())
+
+    def loads(self) -> tuple[list[str], np.ndarray, np.ndarray]:
+        """Replica ids (sorted) with their running counts and token totals."""
+        return list(self._ids), self._load.copy(), self._tokens.copy()
+
+    def _replica(self, replica_id: str) -> dict[int, Sequence]:
+        try:
+            return self._running[replica_id]
+        except KeyError:
+            raise KeyError(f"no {self.role.value} replica {replica_id!r}") from None
+
+    # --- sequences ----------------------------------------------------------------------
+
+    def submit(self, seq: Sequence) -> None:
+        """A new sequence enters the role: the ledger learns it, the queue's back holds it."""
+        self.ledger.submit(seq.id, self._owner)
+        self.queue.push(seq)
+
+    def accept(self, seq: Sequence) -> None:
+        """A known sequence handed over from elsewhere (say, a rollout becoming a GenRM prompt)."""
+        self.ledger.move(seq.id, self._owner)
+        self.queue.push(seq)
+
+    def _place(self, seq: Sequence, replica_id: str) -> Dispatch:
+        i = self._pos[replica_id]
+        self._running[replica_id][seq.id] = seq
+        self._load[i] += 1
+        self._tokens[i] += seq.tokens
+        self.ledger.move(seq.id, Owner.replica(replica_id), expect=self._owner)
+        reprefill = seq.attempts > 0
+        if reprefill:
+            self.reprefills += 1
+            self.reprefill_tokens += seq.tokens
+        return Dispatch(seq.id, replica_id, seq.tokens, reprefill)
+
+    def dispatch(self, limit: int | None = None) -> list[Dispatch]:
+        """Route from the queue's head while the router admits (at most ``limit``).
+
+        Stops at the first sequence the router leaves queued, so the queue's order (aborted
+        first, then FIFO) is also the order of service.
+        """
+        sent: list[Dispatch] = []
+        while limit is None or len(sent) < limit:
+            seq = self.queue.peek()
+            if seq is None:
+                break
+            i = self.router.choose(self._load, self._tokens, seq.tokens)
+            if i < 0:
+                break
+            self.queue.pop()
+            sent.append(self._place(seq, self._ids[i]))
+        return sent
+
+    def dispatch_to(self, seq_id: int, replica_id: str) -> Dispatch:
+        """Send one queued sequence to a chosen replica (a planned migration's destination)."""
+        self._replica(replica_id)
+        return self._place(self.queue.remove(seq_id), replica_id)
+
+    def abort(
+        self,
+        replica_id: str,
+        seq_ids: Iterable[int] | None = None,
+        generated: Mapping[int, int] | None = None,
+    ) -> list[Sequence]:
+        """Take sequences off a replica, keeping their partial output, to the queue's front.
+
+        ``generated`` carries the engine's final token counts for the aborted sequences.
+        """
+        held = self._replica(replica_id)
+        ids = list(held) if seq_ids is None else list(seq_ids)
+        i = self._pos[replica_id]
+        out: list[Sequence] = []
+        for seq_id in ids:
+            seq = held.pop(seq_id, None)
+            if seq is None:
+                raise KeyError(f"sequence {seq_id} is not running on {replica_id!r}")
+            self._load[i] -= 1
+            self._tokens[i] -= seq.tokens
+            if generated is not None and seq_id in generated:
+                seq.generated_tokens = generated[seq_id]
+            seq.attempts += 1
+            self.ledger.move(seq_id, self._owner, expect=Owner.replica(replica_id))
+            self.queue.push_aborted(seq)
+            out.append(seq)
+        self.aborts += len(out)
+        return out
+
+    def progress(self, replica_id: str, seq_id: int, generated_tokens: int) -> None:
+        seq = self._replica(replica_id)[seq_id]
+        self._tokens[self._pos[replica_id]] += generated_tokens - seq.generated_tokens
+        seq.generated_tokens = generated_tokens
+
+    def _leave(self, replica_id: str, seq_id: int, generated_tokens: int | None) -> Sequence:
+        held = self._replica(replica_id)
+        seq = held.pop(seq_id, None)
+        if seq is None:
+            raise KeyError(f"sequence {seq_id} is not running on {replica_id!r}")
+        i = self._pos[replica_id]
+        self._load[i] -= 1
+        self._tokens[i] -= seq.tokens
+        if generated_tokens is not None:
+            seq.generated_tokens = generated_tokens
+        return seq
+
+    def complete(
+        self, replica_id: str, seq_id: int, generated_tokens: int | None = None
+    ) -> Sequence:
+        """The sequence finished on its replica and is done."""
+        seq = self._leave(replica_id, seq_id, generated_tokens)
+        self.ledger.finish(seq_id, expect=Owner.replica(replica_id))
+        return seq
+
+    def hand_over(
+        self,
+        replica_id: str,
+        seq_id: int,
+        to: RoleScheduler,
+        as_seq: Sequence | None = None,
+    ) -> Sequence:
+        """The sequence finished here and enters ``to``'s queue (as ``as_seq`` if given)."""
+        seq = self._leave(replica_id, seq_id, None)
+        nxt = seq if as_seq is None else as_seq
+        if nxt.id != seq_id:
+            raise ValueError(f"hand-over keeps the sequence id: {seq_id} became {nxt.id}")
+        to.accept(nxt)
+        return nxt
+
+    # --- invariants ---------------------------------------------------------------------
+
+    def holdings(self) -> dict[Owner, list[int]]:
+        held = {Owner.replica(r): list(seqs) for r, seqs in self._running.items()}
+        held[self._owner] = self.queue.ids()
+        return held
+
+    def check_invariants(self) -> None:
+        """This role's own bookkeeping: cached loads match what the replicas hold."""
+        for rid, seqs in self._running.items():
+            i = self._pos[rid]
+            tokens = sum(s.tokens for s in seqs.values())
+            if self._load[i] != len(seqs) or self._tokens[i] != tokens:
+                raise AssertionError(
+                    f"{self.role.value} replica {rid!r}: cached load {self._load[i]} / "
+                    f"{self._tokens[i]} tokens, holds {len(seqs)} / {tokens}"
+                )
+        if self.queue.tokens != sum(s.tokens for s in self.queue):
+            raise AssertionError(f"{self.role.value} queue token total is out of date")
+
+
+def check_ownership(ledger: SequenceLedger, *schedulers: RoleScheduler) -> None:
+    """The whole-system check: every live sequence held exactly once, by its ledger owner."""
+    holdings: dict[Owner, list[int]] = {}
+    for scheduler in schedulers:
+        scheduler.check_invariants()
+        for owner, ids in scheduler.holdings().items():
+            holdings.setdefault(owner, []).extend(ids)
+    ledger.check_invariants(holdings)
