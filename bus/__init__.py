@@ -1,0 +1,121 @@
+"""pivot.bus: the actor runtime. It knows nothing of RL.
+
+Actors (``actor``)
+    Actor(name, bus)                  base class; async start() / stop() / wait();
+                                      hooks on_start(), on_stop(), run(); spawn(coro)
+    @handles / @handles(MsgA, ...)    marks a handler ``(self, msg[, sender]) -> reply``
+    await actor.request(to, msg, *, timeout=None, expect=None) -> reply
+    await actor.publish(topic, *msgs)            lossy, batched into one frame
+    actor.subscribe(topic, *, publishers=None, maxlen=8192) -> Subscription
+        async for pub in sub: pub.topic, pub.sender, pub.message
+        await sub.get(timeout) / sub.get_nowait() / sub.drain()
+        await sub.wait_live(publisher, timeout=5.0)  beat the slow joiner
+    actor.stats: BusStats              counters (dropped frames, bad HMAC, ...)
+    Bus(transport, codec, clock)       what the actors of a process share;
+    Bus.local(messages, *, secret, clock, transport) / Bus.nng(directory, messages, ...)
+    started(*actors)                   async context manager: start, then stop in reverse
+
+Messages (``codec``)
+    Message                           tagged msgspec.Struct base for application messages
+    Codec(messages, *, secret=None) / Codec.of_subclasses(base, *, secret=None)
+    Ping, Pong, RemoteFailure          system messages the bus adds
+
+Transports (``transport``, ``local``, ``nng``)
+    Transport protocol; LocalTransport(); NngTransport(directory, *, fast_aio=True)
+    Directory({name: Endpoint(rep, pub)}) / .ipc(folder, names) / .inproc(names) / .tcp(...)
+    check_bind_address(address, *, secured)   non-loopback needs a secret
+
+Time (``clock``)
+    Clock protocol: now(), await sleep(dt), call_later(dt, fn, *args), rng
+    RealClock(seed=None), VirtualClock(seed=0), run_virtual(main, seed=0), run_real(main)
+
+Supervision (``supervisor``, ``child``)
+    Supervisor(clock=None, policy=None); add_actor(name, factory); add_process(name,
+    "module:function", kwargs=..., env=...); await start() / wait() / stop() / run()
+    RestartPolicy(restart, max_restarts, window, backoff, backoff_factor, backoff_max)
+
+Errors (``errors``)
+    BusError > RequestTimeout, RemoteError, Unreachable, ProtocolError,
+    InsecureBindError, AddressError, SupervisorEscalation
+
+Logging (``logs``)
+    configure_logging(level="info", *, json=True, stream=None)
+
+Benchmark: ``pivot.bus.bench`` (run_bench, format_table). Test helpers: ``pivot.bus.testing``.
+
+What to rely on, and what not:
+- Requests are answered or fail with a typed error; a handler error never kills the
+  actor. Up to ``Actor.concurrency`` (16) requests run at once per actor; a handler that
+  waits on a request back to its own actor needs a free slot.
+- Pub/sub is lossy (full buffers drop, late subscribers miss what came before
+  ``wait_live``): metrics and events only, never anything that must arrive.
+- ``VirtualClock`` works with the local transport only (the nng one refuses it).
+- ``await bus.close()`` when done: it closes the request sockets actors share.
+"""
+
+from pivot.bus.actor import Actor, Bus, Publication, Subscription, handles, started
+from pivot.bus.clock import (
+    Clock,
+    RealClock,
+    VirtualClock,
+    VirtualDeadlock,
+    VirtualEventLoop,
+    run_real,
+    run_virtual,
+)
+from pivot.bus.codec import Codec, Message, Ping, Pong, RemoteFailure
+from pivot.bus.errors import (
+    AddressError,
+    BusError,
+    InsecureBindError,
+    ProtocolError,
+    RemoteError,
+    RequestTimeout,
+    Unreachable,
+)
+from pivot.bus.local import LocalTransport
+from pivot.bus.logs import configure_logging
+from pivot.bus.nng import NngTransport
+from pivot.bus.stats import BusStats
+from pivot.bus.supervisor import RestartPolicy, Supervisor, SupervisorEscalation, SupervisorEvent
+from pivot.bus.transport import Directory, Endpoint, Transport, check_bind_address
+
+__all__ = [
+    "Actor",
+    "AddressError",
+    "Bus",
+    "BusError",
+    "BusStats",
+    "Clock",
+    "Codec",
+    "Directory",
+    "Endpoint",
+    "InsecureBindError",
+    "LocalTransport",
+    "Message",
+    "NngTransport",
+    "Ping",
+    "Pong",
+    "ProtocolError",
+    "Publication",
+    "RealClock",
+    "RemoteError",
+    "RemoteFailure",
+    "RequestTimeout",
+    "RestartPolicy",
+    "Subscription",
+    "Supervisor",
+    "SupervisorEscalation",
+    "SupervisorEvent",
+    "Transport",
+    "Unreachable",
+    "VirtualClock",
+    "VirtualDeadlock",
+    "VirtualEventLoop",
+    "check_bind_address",
+    "configure_logging",
+    "handles",
+    "run_real",
+    "run_virtual",
+    "started",
+]

@@ -1,0 +1,180 @@
+"""The local transport: every actor in one process, no threads, no sockets.
+
+Frames are the same bytes the nng transport carries, handed over through asyncio
+futures and deques, so codec, HMAC and error paths behave exactly as over nng. All
+scheduling goes through the running loop in FIFO order and timeouts are loop timers,
+so under a ``VirtualClock`` a run is deterministic.
+
+Semantics copied from nng: a server handles at most ``concurrency`` requests at once
+(the rest wait in order); a request whose handler returns no reply, or whose server
+stops first, ends in ``RequestTimeout``; an unknown name is ``Unreachable``; a
+subscriber receives frames published after it follows a topic, delivered in
+publication order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Sequence
+
+from pivot.bus.errors import AddressError, RequestTimeout, Unreachable
+from pivot.bus.transport import FrameHandler, FrameSink
+
+
+class LocalTransport:
+    """One in-process network. Every actor of a simulation shares the same instance."""
+
+    def __init__(self) -> None:
+        self._servers: dict[str, _LocalServer] = {}
+        self._publishers: dict[str, _LocalPublisher] = {}
+        self._subscribers: list[_LocalSubscriber] = []
+
+    async def serve(
+        self, name: str, handler: FrameHandler, *, concurrency: int, secured: bool
+    ) -> _LocalServer:
+        if name in self._servers:
+            raise AddressError(
+                f"an actor named {name!r} is already serving on this local transport"
+            )
+        server = _LocalServer(self, name, handler, concurrency)
+        self._servers[name] = server
+        return server
+
+    async def request(self, to: str, frame: bytes, timeout: float) -> bytes:
+        server = self._servers.get(to)
+        if server is None:
+            raise Unreachable(to, "no actor of that name is serving")
+        loop = asyncio.get_running_loop()
+        reply = loop.create_future()
+        server.submit(frame, reply)
+        timer = loop.call_later(timeout, _expire, reply, to, timeout)
+        try:
+            return await reply
+        finally:
+            timer.cancel()
+
+    async def open_publisher(self, name: str, *, secured: bool) -> _LocalPublisher:
+        if name in self._publishers:
+            raise AddressError(f"an actor named {name!r} already publishes on this local transport")
+        publisher = _LocalPublisher(self, name)
+        self._publishers[name] = publisher
+        return publisher
+
+    def open_subscriber(self, name: str, sink: FrameSink) -> _LocalSubscriber:
+        subscriber = _LocalSubscriber(self, sink)
+        self._subscribers.append(subscriber)
+        return subscriber
+
+    async def close(self) -> None:
+        for server in list(self._servers.values()):
+            await server.close()
+        self._publishers.clear()
+        self._subscribers.clear()
+
+    def _broadcast(self, publisher: str, frame: bytes) -> None:
+        for subscriber in self._subscribers:
+            subscriber.offer(publisher, frame)
+
+
+def _expire(reply: asyncio.Future[bytes], to: str, timeout: float) -> None:
+    if not reply.done():
+        reply.set_exception(RequestTimeout(to, timeout))
+
+
+class _LocalServer:
+    def __init__(
+        self, transport: LocalTransport, name: str, handler: FrameHandler, concurrency: int
+    ) -> None:
+        self.address = f"local://{name}"
+        self._transport = transport
+        self._name = name
+        self._handler = handler
+        self._concurrency = max(1, concurrency)
+        self._queue: deque[tuple[bytes, asyncio.Future[bytes]]] = deque()
+        self._workers: list[asyncio.Task[None]] = []
+        self._closed = False
+
+    def submit(self, frame: bytes, reply: asyncio.Future[bytes]) -> None:
+        self._queue.append((frame, reply))
+        # workers live only while there is work: a big simulation keeps no idle tasks
+        if len(self._workers) < self._concurrency:
+            task = asyncio.get_running_loop().create_task(self._work())
+            self._workers.append(task)
+
+    async def _work(self) -> None:
+        try:
+            while self._queue and not self._closed:
+                frame, reply = self._queue.popleft()
+                # a server handles a request even if its client gave up, as nng does
+                answer = await self._handler(frame)
+                # after close nothing goes out, as over nng: the sender times out
+                if answer is not None and not reply.done() and not self._closed:
+                    reply.set_result(answer)
+        finally:
+            task = asyncio.current_task()
+            if task in self._workers:
+                self._workers.remove(task)  # type: ignore[arg-type]
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._transport._servers.get(self._name) is self:
+            del self._transport._servers[self._name]
+        # a handler may be stopping its own actor: leave its task alone
+        current = asyncio.current_task()
+        workers = [t for t in self._workers if t is not current]
+        for task in workers:
+            task.cancel()
+        for task in workers:
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        # queued requests are never answered: their clients time out, as over nng
+        self._queue.clear()
+
+
+class _LocalPublisher:
+    def __init__(self, transport: LocalTransport, name: str) -> None:
+        self.address = f"local://{name}/pub"
+        self._transport = transport
+        self._name = name
+        self._closed = False
+
+    def send(self, frame: bytes) -> bool:
+        if self._closed:
+            return False
+        self._transport._broadcast(self._name, frame)
+        return True
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._transport._publishers.get(self._name) is self:
+            del self._transport._publishers[self._name]
+
+
+class _LocalSubscriber:
+    def __init__(self, transport: LocalTransport, sink: FrameSink) -> None:
+        self._transport = transport
+        self._sink = sink
+        # prefix -> publishers it is followed from (None: from everyone)
+        self._follows: dict[bytes, list[str] | None] = {}
+
+    def follow(self, prefix: bytes, publishers: Sequence[str] | None) -> None:
+        current = self._follows.get(prefix, [])
+        if publishers is None or current is None:
+            self._follows[prefix] = None
+        else:
+            self._follows[prefix] = [*current, *(p for p in publishers if p not in current)]
+
+    def offer(self, publisher: str, frame: bytes) -> None:
+        for prefix, publishers in self._follows.items():
+            if frame.startswith(prefix) and (publishers is None or publisher in publishers):
+                self._sink(frame)
+                return
+
+    async def close(self) -> None:
+        if self in self._transport._subscribers:
+            self._transport._subscribers.remove(self)

@@ -1,0 +1,404 @@
+"""Supervision: start actors (as tasks or child processes), restart crashed ones per
+policy, stop everything on SIGINT/SIGTERM or when a child crashes too often.
+
+Restart policy (per child): a crashed child is restarted after an exponential
+backoff (``backoff * backoff_factor**n``, capped at ``backoff_max``, where n counts
+the restarts still inside the window). When it has already been restarted
+``max_restarts`` times within the last ``window`` seconds, the supervisor escalates:
+it stops every child and ``wait()``/``run()`` raise ``SupervisorEscalation``.
+
+Child processes run ``python -m pivot.bus.child`` in their own process group. They
+ask the kernel for SIGTERM when the supervisor dies (``PR_SET_PDEATHSIG``), and the
+supervisor stops them with SIGTERM to the group, then SIGKILL after ``stop_timeout``.
+So neither a clean stop, nor a signal, nor a crash of the supervisor leaves orphans.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import os
+import signal
+import sys
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Literal
+
+import msgspec
+
+from pivot.bus.actor import Actor
+from pivot.bus.clock import Clock, RealClock
+from pivot.bus.errors import BusError
+from pivot.bus.logs import get_logger
+
+ActorFactory = Callable[[], Actor | Awaitable[Actor]]
+
+
+class RestartPolicy(msgspec.Struct, frozen=True, kw_only=True):
+    """When and how fast to restart a child. ``restart``: ``on_failure`` restarts
+    crashes only (a child process exiting 0 is done), ``always`` restarts any exit,
+    ``never`` escalates on the first crash."""
+
+    restart: Literal["on_failure", "always", "never"] = "on_failure"
+    max_restarts: int = 3
+    window: float = 60.0
+    backoff: float = 0.1
+    backoff_factor: float = 2.0
+    backoff_max: float = 5.0
+
+    def delay(self, recent_restarts: int) -> float:
+        return min(self.backoff * self.backoff_factor**recent_restarts, self.backoff_max)
+
+
+class SupervisorEscalation(BusError):
+    """A child crashed more often than its policy allows; everything was stopped."""
+
+    def __init__(self, child: str, restarts: int, window: float, failure: str) -> None:
+        self.child = child
+        self.restarts = restarts
+        self.failure = failure
+        super().__init__(
+            f"child {child!r} crashed again after {restarts} restarts within {window:g} s "
+            f"(last failure: {failure}); stopped everything"
+        )
+
+
+class SupervisorEvent(msgspec.Struct, frozen=True):
+    at: float
+    child: str
+    event: str  # started | crashed | exited | restarting | escalated | stopped
+    detail: str = ""
+
+
+class _Child:
+    """One supervised thing: knows how to start it, wait for its end, stop it."""
+
+    name: str
+    policy: RestartPolicy
+
+    async def start(self) -> None: ...
+    async def wait_exit(self) -> str | None:
+        """None for a clean exit, else a description of the failure."""
+        ...
+
+    async def stop(self) -> None: ...
+
+
+class _ActorChild(_Child):
+    def __init__(self, name: str, factory: ActorFactory, policy: RestartPolicy) -> None:
+        self.name = name
+        self.policy = policy
+        self._factory = factory
+        self.actor: Actor | None = None
+
+    async def start(self) -> None:
+        made = self._factory()
+        actor = await made if inspect.isawaitable(made) else made
+        if not isinstance(actor, Actor):
+            raise TypeError(f"the factory of {self.name!r} returned {actor!r}, not an Actor")
+        self.actor = actor
+        await actor.start()
+
+    async def wait_exit(self) -> str | None:
+        assert self.actor is not None
+        try:
+            await self.actor.wait()
+        except Exception as exc:
+            return repr(exc)
+        return None
+
+    async def stop(self) -> None:
+        if self.actor is not None:
+            await self.actor.stop()
+
+
+class _ProcessChild(_Child):
+    def __init__(
+        self,
+        name: str,
+        target: str,
+        kwargs: Mapping[str, Any],
+        policy: RestartPolicy,
+        env: Mapping[str, str] | None,
+        ready_timeout: float,
+        stop_timeout: float,
+    ) -> None:
+        self.name = name
+        self.policy = policy
+        self._target = target
+        self._kwargs = json.dumps(dict(kwargs))
+        self._env = env
+        self._ready_timeout = ready_timeout
+        self._stop_timeout = stop_timeout
+        self.process: asyncio.subprocess.Process | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    async def start(self) -> None:
+        env = dict(os.environ)
+        env.update(self._env or {})
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "pivot.bus.child",
+            "--name", self.name,
+            "--target", self._target,
+            "--kwargs", self._kwargs,
+            "--parent-pid", str(os.getpid()),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            env=env,
+            start_new_session=True,  # its own process group: we signal the whole group
+        )  # fmt: skip
+        self.process = process
+        assert process.stdout is not None
+        try:
+            async with asyncio.timeout(self._ready_timeout):
+                line = await process.stdout.readline()
+        except TimeoutError:
+            await self.stop()
+            raise BusError(
+                f"child {self.name!r} did not report ready within {self._ready_timeout:g} s"
+            ) from None
+        if not line.startswith(b"READY"):
+            code = await process.wait()
+            raise BusError(f"child {self.name!r} exited with code {code} before it was ready")
+
+    async def wait_exit(self) -> str | None:
+        assert self.process is not None
+        code = await self.process.wait()
+        return None if code == 0 else f"exit code {code}"
+
+    async def stop(self) -> None:
+        process = self.process
+        if process is None or process.returncode is not None:
+            return
+        _signal_group(process.pid, signal.SIGTERM)
+        try:
+            async with asyncio.timeout(self._stop_timeout):
+                await process.wait()
+        except TimeoutError:
+            _signal_group(process.pid, signal.SIGKILL)
+            await process.wait()
+        # anything its children left in the group goes too
+        _signal_group(process.pid, signal.SIGKILL)
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+class Supervisor:
+    """Starts, watches and restarts children; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        clock: Clock | None = None,
+        policy: RestartPolicy | None = None,
+        name: str = "supervisor",
+    ) -> None:
+        self.clock: Clock = clock if clock is not None else RealClock()
+        self.policy = policy if policy is not None else RestartPolicy()
+        self.name = name
+        self.events: deque[SupervisorEvent] = deque(maxlen=10_000)
+        self.log = get_logger(actor=name)
+        self._children: dict[str, _Child] = {}
+        self._watchers: dict[str, asyncio.Task[None]] = {}
+        self._restarts: dict[str, list[float]] = {}
+        self._escalation: SupervisorEscalation | None = None
+        self._stopped: asyncio.Event | None = None
+        self._stopping = False
+        self._started = False
+        self._stop_task: asyncio.Task[None] | None = None
+
+    # -- configuration
+
+    def add_actor(
+        self, name: str, factory: ActorFactory, *, policy: RestartPolicy | None = None
+    ) -> None:
+        """An actor run as a task of this process; ``factory()`` makes a fresh one on
+        each (re)start."""
+        self._add(_ActorChild(name, factory, policy or self.policy))
+
+    def add_process(
+        self,
+        name: str,
+        target: str,
+        *,
+        kwargs: Mapping[str, Any] | None = None,
+        policy: RestartPolicy | None = None,
+        env: Mapping[str, str] | None = None,
+        ready_timeout: float = 30.0,
+        stop_timeout: float = 5.0,
+    ) -> None:
+        """An actor run in a child process: ``target`` is ``"module:function"``, called
+        there as ``function(name, **kwargs)`` (kwargs must be JSON) and returning the
+        actor (or an awaitable of it). Pass secrets through ``env``, not ``kwargs``:
+        the command line is visible to every local user."""
+        if ":" not in target:
+            raise ValueError(f"target must look like 'package.module:function', got {target!r}")
+        self._add(
+            _ProcessChild(
+                name, target, kwargs or {}, policy or self.policy, env, ready_timeout, stop_timeout
+            )
+        )
+
+    def _add(self, child: _Child) -> None:
+        if self._started:
+            raise RuntimeError("add children before start()")
+        if child.name in self._children:
+            raise ValueError(f"a child named {child.name!r} is already supervised")
+        self._children[child.name] = child
+
+    def actor(self, name: str) -> Actor | None:
+        """The current instance of an in-process child (it changes on restart)."""
+        child = self._children.get(name)
+        return child.actor if isinstance(child, _ActorChild) else None
+
+    def pid(self, name: str) -> int | None:
+        """The current pid of a process child."""
+        child = self._children.get(name)
+        return child.pid if isinstance(child, _ProcessChild) else None
+
+    def restarts(self, name: str) -> int:
+        """How many times ``name`` was restarted in all."""
+        return sum(1 for e in self.events if e.child == name and e.event == "restarting")
+
+    # -- running
+
+    async def start(self) -> None:
+        """Start every child in the order added; on a failure stop those started."""
+        if self._started:
+            raise RuntimeError("supervisor already started")
+        self._started = True
+        self._stopped = asyncio.Event()
+        started: list[_Child] = []
+        try:
+            for child in self._children.values():
+                await child.start()
+                self._event(child.name, "started")
+                started.append(child)
+        except BaseException:
+            for child in reversed(started):
+                with contextlib.suppress(Exception):
+                    await child.stop()
+            self._stopped.set()
+            raise
+        loop = asyncio.get_running_loop()
+        for child in started:
+            self._watchers[child.name] = loop.create_task(
+                self._watch(child), name=f"{self.name}:watch:{child.name}"
+            )
+
+    async def wait(self) -> None:
+        """Until everything is stopped; raises ``SupervisorEscalation`` if a child
+        exhausted its restarts."""
+        assert self._stopped is not None, "start() first"
+        await self._stopped.wait()
+        if self._escalation is not None:
+            raise self._escalation
+
+    async def run(self, *, handle_signals: bool = True) -> None:
+        """start, wait, and stop on the way out; SIGINT/SIGTERM stop cleanly."""
+        if handle_signals:
+            self.install_signal_handlers()
+        try:
+            await self.start()
+            await self.wait()
+        finally:
+            await self.stop()
+            if handle_signals:
+                self.remove_signal_handlers()
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+
+    def remove_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        self.log.info("signal received, stopping", signal=signal.Signals(sig).name)
+        self._stop_task = asyncio.get_running_loop().create_task(self.stop())
+
+    async def stop(self) -> None:
+        """Stop every child, last started first. Idempotent."""
+        if self._stopping:
+            if self._stopped is not None:
+                await self._stopped.wait()
+            return
+        self._stopping = True
+        current = asyncio.current_task()
+        watchers = [w for w in self._watchers.values() if w is not current]
+        for watcher in watchers:
+            watcher.cancel()
+        for watcher in watchers:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await watcher
+        for child in reversed(list(self._children.values())):
+            try:
+                await child.stop()
+            except Exception as exc:
+                self.log.error("child did not stop cleanly", child=child.name, error=repr(exc))
+            self._event(child.name, "stopped")
+        if self._stopped is not None:
+            self._stopped.set()
+
+    async def _watch(self, child: _Child) -> None:
+        while True:
+            failure = await child.wait_exit()
+            if self._stopping:
+                return
+            if failure is None:
+                self._event(child.name, "exited")
+                if child.policy.restart != "always":
+                    return
+                failure = "exited"
+            else:
+                self._event(child.name, "crashed", failure)
+            while True:  # until a start succeeds, or we escalate
+                if not await self._back_off(child, failure):
+                    return
+                try:
+                    await child.start()
+                except Exception as exc:
+                    # a failed start is one more crash: same accounting, same backoff
+                    failure = repr(exc)
+                    self._event(child.name, "crashed", failure)
+                    continue
+                self._event(child.name, "started")
+                break
+
+    async def _back_off(self, child: _Child, failure: str) -> bool:
+        """Sleep before a restart; False (after escalating) when none is allowed."""
+        policy = child.policy
+        now = self.clock.now()
+        recent = [t for t in self._restarts.get(child.name, []) if now - t < policy.window]
+        if policy.restart == "never" or len(recent) >= policy.max_restarts:
+            self._escalate(child, len(recent), failure)
+            return False
+        delay = policy.delay(len(recent))
+        recent.append(now)
+        self._restarts[child.name] = recent
+        self._event(child.name, "restarting", f"in {delay:g} s")
+        self.log.warning("restarting child", child=child.name, failure=failure, delay=delay)
+        await self.clock.sleep(delay)
+        return True
+
+    def _escalate(self, child: _Child, restarts: int, failure: str) -> None:
+        self._escalation = SupervisorEscalation(child.name, restarts, child.policy.window, failure)
+        self._event(child.name, "escalated", failure)
+        self.log.error("escalating: too many restarts", child=child.name, failure=failure)
+        self._stop_task = asyncio.get_running_loop().create_task(self.stop())
+
+    def _event(self, child: str, event: str, detail: str = "") -> None:
+        self.events.append(SupervisorEvent(self.clock.now(), child, event, detail))
+        if event in ("started", "stopped"):
+            self.log.info(f"child {event}", child=child)

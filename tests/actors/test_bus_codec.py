@@ -1,0 +1,153 @@
+"""Codec: envelopes round trip, bad frames are named, HMAC catches foreign frames."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pivot.bus import Codec, Message, RemoteFailure
+from pivot.bus.codec import MAC_SIZE, topic_prefix
+from pivot.bus.errors import BadSignature, FrameError
+
+
+class Item(Message):
+    name: str
+    count: int
+
+
+class Batch(Message):
+    items: list[Item]
+    note: str | None = None
+    weights: dict[str, float] = {}
+
+
+class Base(msgspec.Struct, tag=True):
+    pass
+
+
+class Left(Base):
+    x: int
+
+
+class Right(Base):
+    y: str
+
+
+class Deeper(Left):
+    z: float
+
+
+def test_request_reply_error_and_publish_round_trip() -> None:
+    codec = Codec([Item, Batch])
+    batch = Batch(items=[Item("a", 1), Item("b", 2)], note="n", weights={"w": 0.5})
+
+    request = codec.decode_request(codec.encode_request("alice", 7, batch))
+    assert (request.sender, request.cid, request.body) == ("alice", 7, batch)
+
+    reply = codec.decode_reply(codec.encode_reply("bob", 7, Item("c", 3)))
+    assert type(reply) is codec.ReplyEnvelope
+    assert (reply.sender, reply.cid, reply.body) == ("bob", 7, Item("c", 3))
+    assert codec.decode_reply(codec.encode_reply("bob", 8, None)).body is None
+
+    error = codec.decode_reply(codec.encode_error("bob", 9, "handler_error", "KeyError", "'k'"))
+    assert type(error) is codec.ErrorEnvelope
+    assert error.body == RemoteFailure(code="handler_error", error_type="KeyError", text="'k'")
+
+    frame = codec.encode_publish("carol", topic_prefix("metrics"), 3, [Item("d", 4), batch])
+    assert frame.startswith(b"metrics\0")
+    topic, publication = codec.decode_publish(frame)
+    assert (topic, publication.sender, publication.seq) == ("metrics", "carol", 3)
+    assert publication.body == [Item("d", 4), batch]
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    name=st.text(max_size=50),
+    count=st.integers(min_value=-(2**63), max_value=2**63 - 1),
+    sender=st.text(min_size=1, max_size=20),
+    cid=st.integers(min_value=0, max_value=2**63 - 1),
+)
+def test_any_item_round_trips(name: str, count: int, sender: str, cid: int) -> None:
+    codec = Codec([Item], secret=b"k")
+    envelope = codec.decode_request(codec.encode_request(sender, cid, Item(name, count)))
+    assert (envelope.sender, envelope.cid, envelope.body) == (sender, cid, Item(name, count))
+
+
+def test_codec_collects_subclasses_of_a_base() -> None:
+    codec = Codec.of_subclasses(Base)
+    assert {Left, Right, Deeper} <= set(codec.messages)
+    assert codec.decode_request(codec.encode_request("s", 1, Deeper(x=1, z=2.0))).body == Deeper(
+        x=1, z=2.0
+    )
+
+
+def test_codec_rejects_types_that_cannot_join_the_union() -> None:
+    class Untagged(msgspec.Struct):
+        a: int
+
+    class Clash(msgspec.Struct, tag="Item"):
+        b: int
+
+    with pytest.raises(TypeError, match="Untagged has no tag"):
+        Codec([Untagged])
+    with pytest.raises(TypeError, match="share the tag 'Item'"):
+        Codec([Item, Clash])
+    with pytest.raises(TypeError, match="msgspec.Struct"):
+        Codec([dict])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="empty shared secret"):
+        Codec([Item], secret=b"")
+
+
+def test_garbage_is_a_frame_error() -> None:
+    codec = Codec([Item])
+    for garbage in (b"", b"\xc1", b"\x93\x00\x01", msgspec.msgpack.encode({"a": 1})):
+        with pytest.raises(FrameError):
+            codec.decode_request(garbage)
+
+
+def test_unknown_type_error_still_names_sender_and_cid() -> None:
+    sender_codec = Codec([Item, Batch])
+    receiver_codec = Codec([Item])
+    frame = sender_codec.encode_request("alice", 41, Batch(items=[]))
+    with pytest.raises(FrameError) as caught:
+        receiver_codec.decode_request(frame)
+    assert (caught.value.sender, caught.value.cid) == ("alice", 41)
+    assert "Batch" in caught.value.text
+
+
+def test_a_request_frame_is_not_a_reply() -> None:
+    codec = Codec([Item])
+    with pytest.raises(FrameError):
+        codec.decode_reply(codec.encode_request("a", 1, Item("x", 1)))
+
+
+def test_hmac_accepts_own_frames_and_rejects_others() -> None:
+    ours = Codec([Item], secret="secret one")
+    theirs = Codec([Item], secret="secret two")
+    unsigned = Codec([Item])
+    frame = ours.encode_request("a", 1, Item("x", 1))
+    assert len(frame) == len(unsigned.encode_request("a", 1, Item("x", 1))) + MAC_SIZE
+    assert ours.decode_request(frame).body == Item("x", 1)
+    with pytest.raises(BadSignature):
+        theirs.decode_request(frame)
+    with pytest.raises(BadSignature):
+        ours.decode_request(unsigned.encode_request("a", 1, Item("x", 1)))
+    tampered = bytearray(frame)
+    tampered[5] ^= 0x01
+    with pytest.raises(BadSignature):
+        ours.decode_request(bytes(tampered))
+    with pytest.raises(BadSignature):
+        ours.decode_request(b"short")
+    published = ours.encode_publish("a", topic_prefix("t"), 1, [Item("y", 2)])
+    assert ours.decode_publish(published)[1].body == [Item("y", 2)]
+    with pytest.raises(BadSignature):
+        theirs.decode_publish(published)
+
+
+def test_topics_are_validated() -> None:
+    assert topic_prefix("metrics/replica") == b"metrics/replica\0"
+    for bad in ("", "a\0b", "x" * 201):
+        with pytest.raises(ValueError):
+            topic_prefix(bad)

@@ -1,0 +1,264 @@
+"""Supervision: restarts with backoff, escalation, child processes that never outlive
+their supervisor."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import structlog
+
+from pivot.bus import (
+    Actor,
+    Bus,
+    Directory,
+    RequestTimeout,
+    RestartPolicy,
+    Supervisor,
+    SupervisorEscalation,
+    Unreachable,
+    VirtualClock,
+    configure_logging,
+    run_virtual,
+    started,
+)
+from pivot.bus.testing import TESTING_MESSAGES, Crash, Echo, EchoActor
+
+
+@pytest.fixture(autouse=True)
+def quiet_logs() -> Iterator[None]:
+    """Bus warnings (expected in these tests) go nowhere, and render fast."""
+    configure_logging("critical", stream=io.StringIO())
+    yield
+    structlog.reset_defaults()
+
+
+class Flaky(Actor):
+    """Crashes ``lifetime`` seconds after it starts."""
+
+    lifetime = 1.0
+
+    async def run(self) -> None:
+        await self.clock.sleep(self.lifetime)
+        raise RuntimeError("flaky")
+
+
+def timeline(supervisor: Supervisor, child: str) -> list[tuple[float, str]]:
+    return [(e.at, e.event) for e in supervisor.events if e.child == child]
+
+
+def test_crashes_are_restarted_with_backoff_then_escalated() -> None:
+    async def main(clock: VirtualClock) -> tuple[Supervisor, Exception, bool]:
+        bus = Bus.local(TESTING_MESSAGES, clock=clock)
+        policy = RestartPolicy(max_restarts=3, window=60.0, backoff=0.5, backoff_factor=2.0)
+        supervisor = Supervisor(clock=clock, policy=policy)
+        supervisor.add_actor("steady", lambda: EchoActor("steady", bus))
+        supervisor.add_actor("flaky", lambda: Flaky("flaky", bus))
+        with pytest.raises(SupervisorEscalation) as caught:
+            await supervisor.run(handle_signals=False)
+        steady = supervisor.actor("steady")
+        return supervisor, caught.value, steady is not None and steady.running
+
+    supervisor, escalation, steady_running = run_virtual(main)
+    assert timeline(supervisor, "flaky") == [
+        (0.0, "started"),
+        (1.0, "crashed"),
+        (1.0, "restarting"),  # after 0.5 s
+        (1.5, "started"),
+        (2.5, "crashed"),
+        (2.5, "restarting"),  # after 1.0 s
+        (3.5, "started"),
+        (4.5, "crashed"),
+        (4.5, "restarting"),  # after 2.0 s
+        (6.5, "started"),
+        (7.5, "crashed"),
+        (7.5, "escalated"),
+        (7.5, "stopped"),
+    ]
+    assert escalation.child == "flaky" and escalation.restarts == 3
+    assert "flaky" in escalation.failure
+    assert timeline(supervisor, "steady")[-1] == (7.5, "stopped")  # everything was stopped
+    assert not steady_running
+
+
+def test_crashes_further_apart_than_the_window_never_escalate() -> None:
+    class SlowFlaky(Flaky):
+        lifetime = 100.0
+
+    async def main(clock: VirtualClock) -> Supervisor:
+        bus = Bus.local(TESTING_MESSAGES, clock=clock)
+        supervisor = Supervisor(
+            clock=clock, policy=RestartPolicy(max_restarts=2, window=60.0, backoff=0.5)
+        )
+        supervisor.add_actor("flaky", lambda: SlowFlaky("flaky", bus))
+        await supervisor.start()
+        await clock.sleep(1000.0)
+        await supervisor.stop()
+        await supervisor.wait()  # stopped cleanly: no escalation
+        return supervisor
+
+    supervisor = run_virtual(main)
+    assert supervisor.restarts("flaky") == 9
+    delays = [e.detail for e in supervisor.events if e.event == "restarting"]
+    assert delays == ["in 0.5 s"] * 9  # the window forgot each earlier crash
+
+
+def test_restarted_actor_serves_again() -> None:
+    async def main(clock: VirtualClock) -> tuple[str, bool, int]:
+        bus = Bus.local(TESTING_MESSAGES, clock=clock)
+        supervisor = Supervisor(clock=clock, policy=RestartPolicy(backoff=2.0))
+        supervisor.add_actor("echo", lambda: EchoActor("echo", bus))
+        async with started(Actor("client", bus)) as (client,):
+            await supervisor.start()
+            first = supervisor.actor("echo")
+            await client.request("echo", Crash(), timeout=1)
+            await clock.sleep(0.1)
+            with pytest.raises(Unreachable):  # crashed, waiting out its backoff
+                await client.request("echo", Echo(text="too early"), timeout=1)
+            await clock.sleep(2.0)
+            reply = await client.request("echo", Echo(text="back"), timeout=1)
+            replaced = supervisor.actor("echo") is not first
+            await supervisor.stop()
+        return reply.text, replaced, supervisor.restarts("echo")
+
+    assert run_virtual(main) == ("back", True, 1)
+
+
+# -- child processes
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state != "Z"
+
+
+def wait_until_gone(pids: list[int], seconds: float = 15.0) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        left = [p for p in pids if alive(p)]
+        if not left:
+            return []
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
+
+
+SUPERVISOR_SCRIPT = textwrap.dedent(
+    """
+    import asyncio, sys
+    from pivot.bus import Directory, Supervisor, configure_logging
+
+    async def main():
+        configure_logging("warning")
+        directory = Directory.ipc(sys.argv[1], ["a", "b"])
+        supervisor = Supervisor()
+        for name in ("a", "b"):
+            supervisor.add_process(
+                name, "pivot.bus.testing:echo_actor", kwargs={"directory": directory.to_dict()}
+            )
+        supervisor.install_signal_handlers()
+        try:
+            await supervisor.start()
+            print("PIDS", supervisor.pid("a"), supervisor.pid("b"), flush=True)
+            await supervisor.wait()
+        finally:
+            await supervisor.stop()
+        print("CLEAN EXIT", flush=True)
+
+    asyncio.run(main())
+    """
+)
+
+
+SupervisorProcess = tuple[subprocess.Popen[str], list[int], Path]
+
+
+@pytest.fixture
+def supervisor_process(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[SupervisorProcess]:
+    folder = tmp_path_factory.mktemp("sup")
+    script = folder / "supervise.py"
+    script.write_text(SUPERVISOR_SCRIPT)
+    process = subprocess.Popen(
+        [sys.executable, str(script), str(folder)], stdout=subprocess.PIPE, text=True
+    )
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    assert line.startswith("PIDS"), f"supervisor said {line!r}"
+    pids = [int(p) for p in line.split()[1:]]
+    yield process, pids, folder
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+    for pid in pids:  # never leave strays behind, whatever the test did
+        if alive(pid):
+            os.killpg(pid, signal.SIGKILL)
+
+
+async def test_sigterm_to_the_supervisor_stops_every_child(
+    supervisor_process: SupervisorProcess,
+) -> None:
+    process, pids, folder = supervisor_process
+    assert all(alive(p) for p in pids)
+    bus = Bus.nng(Directory.ipc(folder, ["a", "b", "probe"]), TESTING_MESSAGES)
+    async with started(Actor("probe", bus)) as (probe,):
+        for name in ("a", "b"):  # the children really serve
+            assert (await probe.request(name, Echo(text=name), timeout=5)).by == name
+    await bus.close()
+    process.send_signal(signal.SIGTERM)
+    out, _ = process.communicate(timeout=20)
+    assert process.returncode == 0
+    assert "CLEAN EXIT" in out
+    assert wait_until_gone(pids, 0.5) == []  # gone by the time the supervisor exited
+
+
+def test_children_die_with_a_killed_supervisor(supervisor_process: SupervisorProcess) -> None:
+    process, pids, _ = supervisor_process
+    process.kill()  # SIGKILL: no chance to clean up; PR_SET_PDEATHSIG must do it
+    process.wait()
+    assert wait_until_gone(pids) == []
+
+
+async def test_crashed_child_process_is_restarted(tmp_path_factory: pytest.TempPathFactory) -> None:
+    directory = Directory.ipc(tmp_path_factory.mktemp("ipc"), ["echo", "probe"])
+    supervisor = Supervisor(policy=RestartPolicy(backoff=0.05))
+    supervisor.add_process(
+        "echo", "pivot.bus.testing:echo_actor", kwargs={"directory": directory.to_dict()}
+    )
+    bus = Bus.nng(directory, TESTING_MESSAGES)
+    await supervisor.start()
+    try:
+        first_pid = supervisor.pid("echo")
+        async with started(Actor("probe", bus)) as (probe,):
+            await probe.request("echo", Crash(), timeout=5)
+            for _ in range(400):  # the old process exits, the supervisor starts a new one
+                if timeline(supervisor, "echo")[-1][1] == "started" and supervisor.restarts("echo"):
+                    break
+                await asyncio.sleep(0.05)
+            reply = None
+            for _ in range(100):  # nng redials the new process in the background
+                try:
+                    reply = await probe.request("echo", Echo(text="again"), timeout=0.5)
+                    break
+                except (Unreachable, RequestTimeout):
+                    await asyncio.sleep(0.05)
+            assert reply is not None and reply.text == "again"
+            assert supervisor.pid("echo") != first_pid
+            assert supervisor.restarts("echo") == 1
+            assert not alive(first_pid)
+    finally:
+        await supervisor.stop()
+        await bus.close()
+    assert not alive(supervisor.pid("echo"))

@@ -1,0 +1,416 @@
+"""The same actor behaviour over every transport: local, nng inproc://, nng ipc://."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+
+import msgspec
+import pynng
+import pytest
+import structlog
+
+from pivot.bus import (
+    Actor,
+    Bus,
+    Directory,
+    LocalTransport,
+    Message,
+    ProtocolError,
+    RemoteError,
+    RequestTimeout,
+    Unreachable,
+    configure_logging,
+    handles,
+    started,
+)
+from pivot.bus.codec import Codec
+from pivot.bus.nng import NngTransport
+from pivot.bus.testing import TESTING_MESSAGES, Crash, Echo, EchoActor, Echoed, Fail
+
+
+@pytest.fixture(autouse=True)
+def quiet_logs() -> Iterator[None]:
+    """Bus warnings (expected in these tests) go nowhere, and render fast."""
+    configure_logging("critical", stream=io.StringIO())
+    yield
+    structlog.reset_defaults()
+
+
+NAMES = ["server", "client", "other", "ghost"]  # "ghost" is in the directory, never started
+
+
+class Slow(Message):
+    seconds: float
+
+
+class Tick(Message):
+    n: int
+
+
+class StopYourself(Message):
+    pass
+
+
+class Unknown(Message):
+    """Only the client's codec knows this one."""
+
+
+MESSAGES = (*TESTING_MESSAGES, Slow, Tick, StopYourself)
+
+
+class Server(EchoActor):
+    def __init__(self, name: str, bus: Bus) -> None:
+        super().__init__(name, bus)
+        self.in_flight = 0
+        self.most_in_flight = 0
+
+    @handles
+    async def slow(self, msg: Slow) -> Echoed:
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(msg.seconds)
+        finally:
+            self.in_flight -= 1
+        return Echoed(text="slept", by=self.name)
+
+    @handles
+    async def stop_yourself(self, msg: StopYourself) -> Echoed:
+        await self.stop()
+        return Echoed(text="never delivered", by=self.name)
+
+
+class Client(Actor):
+    pass
+
+
+MakeBus = Callable[..., Bus]
+
+
+@pytest.fixture(params=["local", "nng-inproc", "nng-ipc", "nng-ipc-public-aio"])
+async def make_bus(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[MakeBus]:
+    """Makes buses that can reach each other, as separate processes' buses would."""
+    kind = request.param
+    buses: list[Bus] = []
+    local = LocalTransport()
+    if kind == "nng-inproc":
+        directory = Directory.inproc(NAMES, namespace=uuid.uuid4().hex)
+    else:
+        directory = Directory.ipc(tmp_path_factory.mktemp("ipc"), NAMES)
+
+    def make(
+        messages: tuple[type[msgspec.Struct], ...] = MESSAGES, secret: str | None = None
+    ) -> Bus:
+        if kind == "local":
+            bus = Bus(local, Codec(messages, secret=secret))
+        else:
+            transport = NngTransport(directory, fast_aio=kind != "nng-ipc-public-aio")
+            bus = Bus(transport, Codec(messages, secret=secret))
+        buses.append(bus)
+        return bus
+
+    yield make
+    for bus in buses:
+        await bus.close()
+
+
+async def test_request_returns_the_typed_reply(make_bus: MakeBus) -> None:
+    bus = make_bus()
+    server, client = Server("server", bus), Client("client", bus)
+    async with started(server, client):
+        reply = await client.request("server", Echo(text="hello"), timeout=5, expect=Echoed)
+        assert reply == Echoed(text="hello", by="server")
+        assert server.seen == ["hello"]
+        assert client.stats.requests_sent == client.stats.replies_received == 1
+        assert server.stats.requests_served == 1
+
+
+async def test_one_actor_serves_many_requests_at_once(make_bus: MakeBus) -> None:
+    bus = make_bus()
+    server, client = Server("server", bus), Client("client", bus)
+    async with started(server, client):
+        replies = await asyncio.gather(
+            *(client.request("server", Slow(seconds=0.05), timeout=5) for _ in range(8))
+        )
+        assert [r.text for r in replies] == ["slept"] * 8
+        assert server.most_in_flight > 1  # they overlapped in the handler
+
+
+async def test_request_times_out_and_the_actor_keeps_serving(make_bus: MakeBus) -> None:
+    bus = make_bus()
+    server, client = Server("server", bus), Client("client", bus)
+    async with started(server, client):
+        with pytest.raises(RequestTimeout) as caught:
+            await client.request("server", Slow(seconds=0.5), timeout=0.05)
+        assert caught.value.to == "server"
+        assert client.stats.request_timeouts == 1
+        assert (await client.request("server", Echo(text="after"), timeout=5)).text == "after"
+
+
+async def test_handler_error_becomes_remote_error(make_bus: MakeBus) -> None:
+    bus = make_bus()
+    server, client = Server("server", bus), Client("client", bus)
+    async with started(server, client):
+        with pytest.raises(RemoteError) as caught:
+            await client.request("server", Fail(text="boom"), timeout=5)
+        error = caught.value
+        assert (error.actor, error.code, error.error_type, error.text) == (
+            "server", "handler_error", "RuntimeError", "boom",
+        )  # fmt: skip
+        assert server.stats.handler_errors == 1
+        assert (
+            await client.request("server", Echo(text="still here"), timeout=5)
+        ).text == "still here"
+
+
+async def test_unknown_message_type_gets_an_error_reply(make_bus: MakeBus) -> None:
+    server_bus = make_bus()
+    client_bus = make_bus((*MESSAGES, Unknown))
+    server, client = Server("server", server_bus), Client("client", client_bus)
+    async with started(server, client):
+        with pytest.raises(RemoteError) as caught:
+            await client.request("server", Unknown(), timeout=5)
+        assert caught.value.code == "bad_message"
+        assert "Unknown" in caught.value.text
+        assert server.stats.decode_errors == 1
+        assert (await client.request("server", Echo(text="next"), timeout=5)).text == "next"
+
+
+async def test_garbage_frame_gets_an_error_reply(make_bus: MakeBus) -> None:
+    bus = make_bus()
+    server, client = Server("server", bus), Client("client", bus)
+    async with started(server, client):
+        raw = await bus.transport.request("server", b"\xc1 not msgpack", 5.0)
+        envelope = bus.codec.decode_reply(raw)
+        assert type(envelope) is bus.codec.ErrorEnvelope
+        assert envelope.body.code == "bad_message"
+        assert server.stats.decode_errors == 1
+        assert (await client.request("server", Echo(text="ok"), timeout=5)).text == "ok"
+
+
+async def test_message_without_handler_gets_an_error_reply(make_bus: MakeBus) -> None:
+    bus = make_bus()
+    server, client = Client("server", bus), Client("client", bus)  # Client handles nothing
+    async with started(server, client):
+        with pytest.raises(RemoteError) as caught:
+            await client.request("server", Echo(text="x"), timeout=5)
+        assert caught.value.code == "no_handler"
+        await client.ping("server", timeout=5)  # the bus's own Ping still works
+
+
+async def test_unreachable_actors(make_bus: MakeBus) -> None:
+    bus = make_bus()
+    client = Client("client", bus)
+    async with started(client):
+        with pytest.raises(Unreachable) as caught:
+            await client.request("nobody", Echo(text="x"), timeout=1)
+        assert caught.value.to == "nobody"
+        with pytest.raises(Unreachable):
+            await client.request("ghost", Echo(text="x"), timeout=1)  # known, not listening
+        assert client.stats.unreachable == 2
+
+
+async def test_stopped_actor_becomes_unreachable(make_bus: MakeBus) -> None:
+    bus = make_bus()
+    server, client = Server("server", bus), Client("client", bus)
+    async with started(client):
+        await server.start()
+        await client.ping("server", timeout=5)
+        await server.stop()
+        with pytest.raises((Unreachable, RequestTimeout)):
+            await client.request("server", Echo(text="x"), timeout=0.5)
+
+
+async def test_restarted_actor_is_reachable_again(make_bus: MakeBus) -> None:
+    bus = make_bus()
+    client = Client("client", bus)
+    async with started(client):
+        first = Server("server", bus)
+        await first.start()
+        await client.request("server", Echo(text="one"), timeout=5)
+        await first.stop()
+        second = Server("server", bus)
+        await second.start()
+        for _ in range(50):  # nng redials in the background: retry while it reconnects
+            try:
+                reply = await client.request("server", Echo(text="two"), timeout=0.5)
+                break
+            except (Unreachable, RequestTimeout):
+                await asyncio.sleep(0.02)
+        assert reply.text == "two"
+        assert second.seen == ["two"] and first.seen == ["one"]
+        await second.stop()
+
+
+async def test_handler_may_stop_its_own_actor(make_bus: MakeBus) -> None:
+    bus = make_bus()
+    server, client = Server("server", bus), Client("client", bus)
+    async with started(client):
+        await server.start()
+        with pytest.raises((RequestTimeout, Unreachable)):  # the reply dies with the socket
+            await client.request("server", StopYourself(), timeout=0.3)
+        await asyncio.wait_for(server.wait(), 5)  # stopped cleanly, no crash
+        assert not server.running and server.failure is None
+
+
+async def test_unexpected_reply_type_is_a_protocol_error(make_bus: MakeBus) -> None:
+    bus = make_bus()
+    server, client = Server("server", bus), Client("client", bus)
+    async with started(server, client):
+        with pytest.raises(ProtocolError):
+            await client.request("server", Echo(text="x"), timeout=5, expect=Tick)
+
+
+async def test_pubsub_delivers_batches_in_order(make_bus: MakeBus) -> None:
+    bus = make_bus()
+    server, client = Server("server", bus), Client("client", bus)
+    async with started(server, client):
+        ticks = client.subscribe("ticks", publishers="server")
+        other_topic = client.subscribe("tocks", publishers="server")
+        await ticks.wait_live("server", timeout=5)
+        for start in range(0, 100, 10):
+            await server.publish("ticks", *(Tick(n=i) for i in range(start, start + 10)))
+        got = [(await ticks.get(timeout=5)).message.n for _ in range(100)]
+        assert got == list(range(100))
+        assert len(other_topic) == 0
+        assert server.stats.published == 100 and server.stats.publish_frames == 10
+        assert client.stats.received == 100 and client.stats.lost_frames == 0
+
+
+async def test_subscription_filters_by_publisher(make_bus: MakeBus) -> None:
+    bus = make_bus()
+    server, other, client = Server("server", bus), Server("other", bus), Client("client", bus)
+    async with started(server, other, client):
+        from_server = client.subscribe("ticks", publishers=["server"])
+        from_anyone = client.subscribe("ticks")
+        await from_server.wait_live("server", timeout=5)
+        await from_anyone.wait_live("other", timeout=5)
+        await other.publish("ticks", Tick(n=1))
+        await server.publish("ticks", Tick(n=2))
+        first, second = await from_anyone.get(timeout=5), await from_anyone.get(timeout=5)
+        assert {(first.sender, first.message.n), (second.sender, second.message.n)} == {
+            ("other", 1),
+            ("server", 2),
+        }
+        only = await from_server.get(timeout=5)
+        assert (only.sender, only.message.n) == ("server", 2)
+        assert from_server.get_nowait() is None
+
+
+async def test_bad_hmac_is_dropped_and_counted(make_bus: MakeBus) -> None:
+    server_bus = make_bus(secret="right secret")
+    client_bus = make_bus(secret="wrong secret")
+    server = Server("server", server_bus)
+    client = Client("client", client_bus)
+    friend = Client("other", make_bus(secret="right secret"))
+    async with started(server, client, friend):
+        with pytest.raises(RequestTimeout):  # dropped, not answered
+            await client.request("server", Echo(text="let me in"), timeout=0.15)
+        assert server.stats.bad_hmac == 1
+        assert server.seen == []
+        # the right secret still gets through, and publications are checked too
+        assert (await friend.request("server", Echo(text="hi"), timeout=5)).text == "hi"
+        wrong_sub = client.subscribe("ticks", publishers="server")
+        right_sub = friend.subscribe("ticks", publishers="server")
+        await right_sub.wait_live("server", timeout=5)
+        await server.publish("ticks", Tick(n=7))
+        assert (await right_sub.get(timeout=5)).message == Tick(n=7)
+        for _ in range(100):  # nng delivers asynchronously: wait for the frame to be judged
+            if client.stats.bad_hmac:
+                break
+            await asyncio.sleep(0.01)
+        assert client.stats.bad_hmac >= 1
+        assert len(wrong_sub) == 0
+
+
+async def test_crash_stops_the_actor_and_wait_raises(make_bus: MakeBus) -> None:
+    bus = make_bus()
+    server, client = Server("server", bus), Client("client", bus)
+    async with started(client):
+        await server.start()
+        await client.request("server", Crash(), timeout=5)
+        with pytest.raises(RuntimeError, match="crash requested"):
+            await asyncio.wait_for(server.wait(), 5)
+        assert not server.running
+        assert isinstance(server.failure, RuntimeError)
+
+
+async def test_logs_carry_actor_message_type_and_cid(make_bus: MakeBus) -> None:
+    stream = io.StringIO()
+    configure_logging("info", json=True, stream=stream)
+    try:
+        bus = make_bus()
+        server, client = Server("server", bus), Client("client", bus)
+        async with started(server, client):
+            with pytest.raises(RemoteError):
+                await client.request("server", Fail(text="logged"), timeout=5)
+    finally:
+        structlog.reset_defaults()
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    failure = next(line for line in lines if line["event"] == "handler raised")
+    assert failure["actor"] == "server"
+    assert failure["msg_type"] == "Fail"
+    assert failure["cid"] == 1
+    assert failure["level"] == "error"
+    assert "RuntimeError: logged" in failure["exception"]
+
+
+async def test_full_subscription_drops_its_oldest(make_bus: MakeBus) -> None:
+    bus = make_bus()
+    server, client = Server("server", bus), Client("client", bus)
+    async with started(server, client):
+        ticks = client.subscribe("ticks", publishers="server", maxlen=3)
+        await ticks.wait_live("server", timeout=5)
+        for n in range(5):
+            await server.publish("ticks", Tick(n=n))
+        for _ in range(200):
+            if client.stats.received == 5:
+                break
+            await asyncio.sleep(0.01)
+        assert [p.message.n for p in ticks.drain()] == [2, 3, 4]
+        assert client.stats.dropped_publications == 2
+
+
+async def test_bad_publication_frames_are_dropped_counted_and_survived(make_bus: MakeBus) -> None:
+    bus = make_bus()
+    client = Client("client", bus)
+    async with started(client):
+        ticks = client.subscribe("ticks", publishers="other")
+        codec, prefix = bus.codec, b"ticks\0"
+        frames = [
+            codec.encode_publish("other", prefix, 1, [Tick(n=1)]),
+            prefix + b"\xc1 garbage",
+            codec.encode_publish("other", prefix, 2, [Tick(n=2)]),
+            codec.encode_publish("other", prefix, 5, [Tick(n=5)]),  # 3 and 4 were lost
+        ]
+        if isinstance(bus.transport, LocalTransport):
+            for frame in frames:
+                bus.transport._broadcast("other", frame)
+        else:  # a foreign publisher, speaking raw nng at other's address
+            with pynng.Pub0(listen=bus.transport.directory.lookup("other").pub) as raw:
+                for _ in range(200):  # until our subscriber has connected
+                    raw.send(prefix + b"\xc1 warm-up")
+                    if client.stats.decode_errors:
+                        break
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(0.1)  # let warm-up frames still in flight land
+                warm_up_errors = client.stats.decode_errors
+                for frame in frames:
+                    raw.send(frame)
+                for _ in range(200):
+                    if client.stats.received == 3:
+                        break
+                    await asyncio.sleep(0.01)
+            client.stats.decode_errors -= warm_up_errors
+            client.stats.dropped_frames -= warm_up_errors
+        got = [(await ticks.get(timeout=5)).message.n for _ in range(3)]
+        assert got == [1, 2, 5]
+        assert client.stats.decode_errors == 1
+        assert client.stats.dropped_frames == 1
+        assert client.stats.lost_frames == 2
