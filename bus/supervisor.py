@@ -271,17 +271,35 @@ class Supervisor:
     # -- running
 
     async def start(self) -> None:
-        """Start every child in the order added; on a failure stop those started."""
+        """Start every child in the order added; on a failure stop those started.
+
+        Consecutive process children start together: each spends seconds importing its
+        libraries, and none of them can depend on a sibling that is still starting.
+        """
         if self._started:
             raise RuntimeError("supervisor already started")
         self._started = True
         self._stopped = asyncio.Event()
         started: list[_Child] = []
+        batches: list[list[_Child]] = []
+        for child in self._children.values():
+            together = isinstance(child, _ProcessChild) and batches
+            if together and all(isinstance(c, _ProcessChild) for c in batches[-1]):
+                batches[-1].append(child)
+            else:
+                batches.append([child])
         try:
-            for child in self._children.values():
-                await child.start()
-                self._event(child.name, "started")
-                started.append(child)
+            for batch in batches:
+                results = await asyncio.gather(
+                    *(child.start() for child in batch), return_exceptions=True
+                )
+                for child, result in zip(batch, results, strict=True):
+                    if not isinstance(result, BaseException):
+                        self._event(child.name, "started")
+                        started.append(child)
+                failures = [r for r in results if isinstance(r, BaseException)]
+                if failures:
+                    raise failures[0]
         except BaseException:
             for child in reversed(started):
                 with contextlib.suppress(Exception):

@@ -36,6 +36,7 @@ class ConfigError(ValueError):
 
 _AT = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
 _TYPE = re.compile(r"^Expected `(?P<exp>[^`]*)`, got `(?P<got>[^`]*)`$")
+_CONSTRAINT = re.compile(r"^Expected `(?P<type>[^`]*)` (?P<rule>.+)$")
 _UNKNOWN = re.compile(r"^Object contains unknown field `(?P<field>[^`]*)`$")
 _MISSING = re.compile(r"^Object missing required field `(?P<field>[^`]*)`$")
 
@@ -79,6 +80,10 @@ def convert(raw: Any, type_: type[T], source: str) -> T:
             found_ok, value = _lookup(raw, path)
             found = _describe(value) if found_ok else t.group("got")
             raise ConfigError(source, key, t.group("exp"), found) from None
+        if c := _CONSTRAINT.match(what):
+            found_ok, value = _lookup(raw, path)
+            found = _describe(value) if found_ok else "?"
+            raise ConfigError(source, key, f"{c.group('type')} {c.group('rule')}", found) from None
         if u := _UNKNOWN.match(what):
             raise ConfigError(
                 source, _join(key, u.group("field")), "no such key (misspelt?)", "an unknown key"

@@ -73,3 +73,39 @@ def test_load_toml_reads_file(tmp_path):
     p.write_text('name = "j"\n[cluster]\ndevices = 2\n[trainer]\nlr = 0.5\n')
     job = load_toml(p, Job)
     assert job.trainer.lr == 0.5 and job.name == "j"
+
+
+def test_constraint_violation_names_the_rule():
+    from pivot.job import JobConfig
+
+    with pytest.raises(ConfigError) as err:
+        decode_toml("[cluster]\ndevices = 0\n", JobConfig, "tiny.toml")
+    assert str(err.value) == "tiny.toml: key 'cluster.devices': expected int >= 1, found int 0"
+    with pytest.raises(ConfigError) as err:
+        decode_toml("[rollout]\ntop_p = 2.0\n", JobConfig, "tiny.toml")
+    assert err.value.key == "rollout.top_p" and err.value.expected == "float <= 1.0"
+
+
+def test_shipped_tiny_config_is_valid():
+    from pathlib import Path
+
+    from pivot.job import JobConfig
+
+    root = Path(__file__).resolve().parents[2]
+    job = load_toml(root / "configs" / "tiny.toml", JobConfig)
+    assert job.cluster.devices >= 1 and job.steps >= 1
+
+
+def test_job_rules_across_sections():
+    from pivot.job import JobConfig
+
+    job = decode_toml("[cluster]\ndevices = 2\nreward_devices = 2\n", JobConfig, "j.toml")
+    with pytest.raises(ConfigError) as err:
+        job.validate("j.toml")
+    assert err.value.key == "cluster.reward_devices" and "between 1 and" in err.value.expected
+    exact = decode_toml(
+        '[cluster]\ndevices = 1\nreward_devices = 0\n[reward]\nkind = "exact"\n',
+        JobConfig,
+        "j.toml",
+    )
+    assert exact.validate("j.toml") is exact

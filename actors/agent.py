@@ -1,0 +1,477 @@
+"""RoleAgent: the actor that hosts one replica's inference engine on its device group.
+
+It serves Assign (add sequences) and Abort (take them back with their partial output) from
+its role's scheduler, steps the engine while it has work, and reports finished sequences to
+the scheduler with a request (they must arrive: a failed report is kept and retried, never
+dropped). Engine steps run in a worker thread so that the actor keeps answering while the
+device computes; a lock keeps engine calls from overlapping a step.
+
+Changing role at run time (DESIGN.md, "Shifting a device group"). An agent sits on one
+device and holds one role at a time: free, rollout, reward or training. It keeps one engine
+per inference role it may serve (``engines``), all built at start: that is the persistent
+context (process, engine objects, device context), kept across shifts. Only the engine of
+the role held has transient (KV cache) and weights context; the others are released. On
+CPU both tiny models fit in memory, and on GPUs SGLang's memory saver releases the same
+way, so no engine is ever rebuilt. The Controller drives the change (all idempotent):
+
+* ``Evacuate`` (from the scheduler): abort everything, hand back partial outputs and any
+  completions not yet reported; accept no more work.
+* ``Release(replica, kinds)``: release the engine's context; the device becomes free.
+* ``Acquire(role, replica, devices, model, min_version, scheduler)``: the agent of the
+  replica's first device leads it: resumes the role's engine and loads the model's weights
+  through its ``WeightLoader`` (a GPS ``ParameterReader`` or a checkpoint folder); the other
+  devices' agents only record the role (a multi-device engine lives in its leader).
+  ``training`` records that the trainer holds the device.
+* ``Register(replica)``: the leader registers with its role's scheduler.
+* ``Describe``: role, replica, devices, weights version, running sequences (recovery).
+
+    RoleAgent(name, bus, *, engine=None, role="free", scheduler=None, replica=None,
+              engines=None, weights=None, models=None, device=None, devices=None,
+              report_timeout=30.0, step_in_thread=True, pace_steps=False)
+    CheckpointWeights(folder)            WeightLoader: a Hugging Face checkpoint folder
+    StoreWeights(store, like)            WeightLoader: newest version in a GPS host store
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from pivot.actors.messages import (
+    Abort,
+    Aborted,
+    Ack,
+    Assign,
+    Completion,
+    Finished,
+    Partial,
+    RegisterReplica,
+    ReplicaLoad,
+    rl_messages,
+)
+from pivot.actors.shift_messages import (
+    Acquire,
+    AgentState,
+    Describe,
+    Evacuate,
+    Evacuated,
+    Register,
+    Release,
+)
+from pivot.bus import Actor, Bus, BusError, Directory, handles
+from pivot.cluster import INFERENCE_ROLES, Role
+from pivot.engine import ContextKind, InferenceEngine, NamedTensors
+
+#: What a device drops on shift-down and takes back on shift-up (persistent context stays).
+SHIFT_CONTEXT = (ContextKind.TRANSIENT, ContextKind.WEIGHTS)
+
+
+class WeightLoader(Protocol):
+    """Where an agent reads a model's weights when it takes a role."""
+
+    def __call__(self, model: str, min_version: int) -> tuple[NamedTensors, int]:
+        """The model's tensors (checkpoint names) and their version (>= ``min_version``)."""
+        ...
+
+
+class ShiftRefused(RuntimeError):
+    """A shift command that would lose work or break the allocation; the message says why."""
+
+
+class CheckpointWeights:
+    """Weights from a Hugging Face checkpoint folder (version ``version``, fixed)."""
+
+    def __init__(self, folder: str | Path, version: int = 0) -> None:
+        self.folder = Path(folder)
+        self.version = version
+
+    def __call__(self, model: str, min_version: int) -> tuple[NamedTensors, int]:
+        from pivot.torch_engine import read_checkpoint
+
+        if self.version < min_version:
+            raise ShiftRefused(
+                f"checkpoint {self.folder} holds version {self.version}, "
+                f"version {min_version} or newer was asked for"
+            )
+        _, tensors = read_checkpoint(self.folder)
+        return tensors, self.version
+
+
+class StoreWeights:
+    """The newest version in a GPS host store (``pivot.actors.param_store``), read into
+    buffers shaped like ``like`` (name -> tensor of the right shape and dtype)."""
+
+    def __init__(self, store: str, like: Mapping[str, Any], *, reader_name: str = "agent") -> None:
+        self.store = store
+        self.reader_name = reader_name
+        self._like = like
+        self._buffers: dict[str, Any] | None = None
+        self._reader = None
+
+    def __call__(self, model: str, min_version: int) -> tuple[NamedTensors, int]:
+        import torch
+
+        from pivot.actors.param_store import ParameterReader
+
+        if self._reader is None:
+            self._reader = ParameterReader(self.store, name=self.reader_name)
+        if self._buffers is None:
+            self._buffers = {n: torch.empty_like(t) for n, t in self._like.items()}
+        version = self._reader.read(self._buffers)
+        if version < min_version:
+            raise ShiftRefused(
+                f"store {self.store!r} publishes version {version}, "
+                f"version {min_version} or newer was asked for"
+            )
+        return self._buffers, version
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
+
+
+class RoleAgent(Actor):
+    """The agent of one device: a replica of ``role`` served by its engine, reporting to
+    ``scheduler``; free (``role="free"``) until the Controller shifts it."""
+
+    def __init__(
+        self,
+        name: str,
+        bus: Bus,
+        *,
+        engine: InferenceEngine | None = None,
+        role: str = "free",
+        scheduler: str | None = None,
+        replica: str | None = None,
+        engines: Mapping[str, InferenceEngine] | None = None,
+        weights: Mapping[str, WeightLoader] | None = None,
+        models: Mapping[str, str] | None = None,
+        device: int | None = None,
+        devices: Sequence[int] | None = None,
+        report_timeout: float = 30.0,
+        step_in_thread: bool = True,
+        pace_steps: bool = False,
+    ) -> None:
+        super().__init__(name, bus)
+        self.role = Role(role)
+        self.engines: dict[Role, InferenceEngine] = {Role(r): e for r, e in (engines or {}).items()}
+        if engine is not None:
+            if self.role not in INFERENCE_ROLES:
+                raise ValueError(f"an agent of role {self.role.value!r} serves no engine")
+            self.engines[self.role] = engine
+        if self.role in INFERENCE_ROLES and self.role not in self.engines:
+            raise ValueError(f"agent {name!r} of role {self.role.value!r} has no engine for it")
+        self.weights = {Role(r): w for r, w in (weights or {}).items()}
+        self.models = {Role(r): m for r, m in (models or {}).items()}
+        self.scheduler = scheduler
+        self.device = device
+        if self.role is Role.FREE:
+            self.replica: str | None = None
+            self.devices: tuple[int, ...] = ()
+        else:
+            self.replica = replica or name
+            self.devices = tuple(devices) if devices else (() if device is None else (device,))
+        self.engine: InferenceEngine | None = (
+            self.engines.get(self.role) if self._leads(self.devices) else None
+        )
+        self.report_timeout = report_timeout
+        # a real engine computes for milliseconds per step: off the loop, so requests are
+        # answered meanwhile; a simulated one costs no compute and must stay on the loop
+        self.step_in_thread = step_in_thread
+        # a simulated engine's step costs its reported latency in (virtual) time
+        self.pace_steps = pace_steps
+        self._engine_lock = asyncio.Lock()
+        self._report_lock = asyncio.Lock()
+        self._work = asyncio.Event()
+        self._unreported: list[Completion] = []
+        self._held: set[int] = set()  # sequences in the engine: assigned, not finished/aborted
+        self._accepting = self.engine is not None
+
+    def _leads(self, devices: Sequence[int]) -> bool:
+        return self.device is None or not devices or devices[0] == self.device
+
+    async def on_start(self) -> None:
+        # engines of roles not held keep only their persistent context
+        for engine in self.engines.values():
+            if engine is not self.engine:
+                engine.release(SHIFT_CONTEXT)
+        if self.engine is not None and self.scheduler is not None:
+            await self._register()
+
+    async def _register(self) -> None:
+        assert self.engine is not None and self.scheduler is not None and self.replica
+        self._accepting = True
+        await self.request(
+            self.scheduler,
+            RegisterReplica(
+                replica=self.replica,
+                agent=self.name,
+                role=self.role.value,
+                max_running=self.engine.stats().max_running,
+            ),
+            timeout=self.report_timeout,
+        )
+
+    # --- sequences --------------------------------------------------------------------------
+
+    @handles
+    async def assign(self, msg: Assign) -> Ack:
+        if self.engine is None or not self._accepting:
+            raise ShiftRefused(
+                f"agent {self.name!r} serves no replica now (role {self.role.value}); "
+                "assign refused"
+            )
+        async with self._engine_lock:
+            for work in msg.sequences:
+                self.engine.add(
+                    work.seq_id,
+                    work.prompt_ids,
+                    work.generated_ids,
+                    work.sampling,
+                    generated_logprobs=work.generated_logprobs or None,
+                )
+                self._held.add(work.seq_id)
+        self._work.set()
+        return Ack(count=len(msg.sequences))
+
+    @handles
+    async def abort(self, msg: Abort) -> Aborted:
+        if self.engine is None:
+            return Aborted(partials=[])
+        async with self._engine_lock:
+            partials = self.engine.abort(msg.seq_ids)
+            self._held.difference_update(int(p.seq_id) for p in partials)
+        return Aborted(partials=[_partial(p) for p in partials])
+
+    # --- shifting ---------------------------------------------------------------------------
+
+    def state(self) -> AgentState:
+        engine = self.engine
+        stats = engine.stats() if engine is not None else None
+        return AgentState(
+            agent=self.name,
+            device=self.device,
+            role=self.role,
+            replica=self.replica,
+            devices=list(self.devices),
+            weights_version=stats.weights_version if stats is not None else -1,
+            running=sorted(self._held),
+            unreported=len(self._unreported),
+            serving=engine is not None and self._accepting,
+            scheduler=self.scheduler,
+        )
+
+    @handles
+    def describe(self, msg: Describe) -> AgentState:
+        return self.state()
+
+    @handles
+    async def evacuate(self, msg: Evacuate) -> Evacuated:
+        if msg.replica != self.replica or self.engine is None:
+            return Evacuated(replica=msg.replica)
+        self._accepting = False
+        # a report in flight is answered before the scheduler hears what is left here
+        async with self._report_lock:
+            async with self._engine_lock:
+                partials = self.engine.abort(None)
+                self._held.clear()
+            completions, self._unreported = self._unreported, []
+        return Evacuated(
+            replica=msg.replica,
+            partials=[_partial(p) for p in partials],
+            completions=completions,
+        )
+
+    @handles
+    async def release(self, msg: Release) -> AgentState:
+        if msg.replica != self.replica or self.role is Role.FREE:
+            return self.state()
+        async with self._engine_lock:
+            engine = self.engine
+            if engine is not None:
+                stats = engine.stats()
+                if stats.running or stats.waiting or self._unreported:
+                    raise ShiftRefused(
+                        f"agent {self.name!r} still holds {stats.running + stats.waiting} "
+                        f"sequences and {len(self._unreported)} unreported completions of "
+                        f"{self.replica!r}: evacuate it first"
+                    )
+                engine.release(msg.kinds)
+            self._accepting = False
+            self.engine = None
+            self.role = Role.FREE
+            self.replica = None
+            self.devices = ()
+            self.scheduler = None
+        self.log.info("released", replica=msg.replica)
+        return self.state()
+
+    @handles
+    async def acquire(self, msg: Acquire) -> AgentState:
+        if self.role is msg.role and self.replica == msg.replica:
+            return self.state()
+        if self.role is not Role.FREE:
+            raise ShiftRefused(
+                f"agent {self.name!r} holds {self.role.value} replica {self.replica!r}; "
+                f"it cannot take {msg.replica!r} before releasing it"
+            )
+        if not msg.devices or (self.device is not None and self.device not in msg.devices):
+            raise ShiftRefused(
+                f"agent {self.name!r} of device {self.device} is not among devices {msg.devices}"
+            )
+        engine: InferenceEngine | None = None
+        if msg.role in INFERENCE_ROLES and self._leads(msg.devices):
+            engine = self.engines.get(msg.role)
+            if engine is None:
+                raise ShiftRefused(f"agent {self.name!r} has no engine for {msg.role.value}")
+            known = self.models.get(msg.role)
+            if msg.model and known is not None and known != msg.model:
+                raise ShiftRefused(
+                    f"agent {self.name!r} serves model {known!r} for {msg.role.value}, "
+                    f"not {msg.model!r}"
+                )
+            async with self._engine_lock:
+                await self._load(engine, msg)
+        elif msg.role is Role.FREE:
+            raise ShiftRefused("'free' is no role to acquire")
+        self.role = msg.role
+        self.replica = msg.replica
+        self.devices = tuple(msg.devices)
+        self.scheduler = msg.scheduler
+        self.engine = engine
+        self._accepting = False  # until registered
+        self.log.info("acquired", role=msg.role.value, replica=msg.replica)
+        return self.state()
+
+    async def _load(self, engine: InferenceEngine, msg: Acquire) -> None:
+        engine.resume(SHIFT_CONTEXT)
+        loader = self.weights.get(msg.role)
+        if loader is None:
+            return  # the engine keeps the weights it was built with (tests, simulation)
+        try:
+            if self.step_in_thread:
+                tensors, version = await asyncio.to_thread(loader, msg.model, msg.min_version)
+            else:
+                tensors, version = loader(msg.model, msg.min_version)
+            engine.load_weights(tensors, version)
+        except BaseException:
+            engine.release(SHIFT_CONTEXT)  # back to what a free device holds
+            raise
+
+    @handles
+    async def register(self, msg: Register) -> AgentState:
+        if msg.replica != self.replica or self.role not in INFERENCE_ROLES:
+            raise ShiftRefused(
+                f"agent {self.name!r} holds {self.role.value} replica {self.replica!r}, "
+                f"not {msg.replica!r}"
+            )
+        if self.engine is None:
+            raise ShiftRefused(f"agent {self.name!r} is not the leader of {msg.replica!r}")
+        if self.scheduler is None:
+            raise ShiftRefused(f"agent {self.name!r} knows no scheduler for {msg.replica!r}")
+        await self._register()
+        self._work.set()
+        return self.state()
+
+    # --- the engine loop --------------------------------------------------------------------
+
+    async def run(self) -> None:
+        while True:
+            engine = self.engine
+            busy = engine is not None and engine.has_unfinished()
+            if not busy and not self._unreported:
+                self._work.clear()
+                await self._work.wait()
+                continue
+            if busy:
+                await self._step(engine)
+            if self._unreported:
+                await self._report()
+
+    async def _step(self, engine: InferenceEngine) -> None:
+        async with self._engine_lock:
+            if engine is not self.engine or not engine.has_unfinished():
+                return  # released or evacuated while we waited for the lock
+            if self.step_in_thread:
+                out = await asyncio.to_thread(engine.step)
+            else:
+                out = engine.step()
+                await self.clock.sleep(0)
+            self._held.difference_update(int(f.seq_id) for f in out.finished)
+        self._unreported.extend(
+            Completion(
+                seq_id=int(f.seq_id),
+                token_ids=list(f.token_ids),
+                logprobs=list(f.logprobs),
+                finish_reason=f.finish_reason,
+                replica=self.replica or "",
+            )
+            for f in out.finished
+        )
+        stats = engine.stats()
+        await self._publish_load(stats)
+        if self.pace_steps and stats.last_step_s > 0:
+            await self.clock.sleep(stats.last_step_s)
+
+    async def _report(self) -> None:
+        async with self._report_lock:
+            if not self._unreported or self.scheduler is None:
+                return
+            batch, self._unreported = self._unreported, []
+            try:
+                await self.request(
+                    self.scheduler,
+                    Finished(replica=self.replica or "", completions=batch),
+                    timeout=self.report_timeout,
+                )
+                return
+            except BusError as exc:
+                # keep them: a completion is never dropped; the next turn retries
+                self._unreported[:0] = batch
+                self.log.warning("report failed, will retry", error=repr(exc), pending=len(batch))
+        await self.clock.sleep(0.5)
+
+    async def _publish_load(self, stats) -> None:  # noqa: ANN001 - EngineStats
+        await self.publish(
+            "load",
+            ReplicaLoad(
+                replica=self.replica or "",
+                role=self.role.value,
+                running=stats.running,
+                kv_tokens=stats.kv_tokens,
+                itl_s=stats.last_step_s,
+                generated_tokens=stats.generated_tokens,
+            ),
+        )
+
+
+def _partial(p: Any) -> Partial:
+    return Partial(seq_id=int(p.seq_id), token_ids=list(p.token_ids), logprobs=list(p.logprobs))
+
+
+def torch_agent(
+    name: str,
+    *,
+    directory: dict[str, Any],
+    model: str,
+    role: str,
+    scheduler: str,
+    max_running: int = 32,
+    threads: int = 1,
+    seed: int = 0,
+) -> RoleAgent:
+    """Factory for a child process: a RoleAgent serving the HF checkpoint ``model`` on CPU."""
+    import time
+
+    from pivot.torch_engine import TorchEngine
+
+    engine = TorchEngine.from_pretrained(
+        model, max_running=max_running, threads=threads, seed=seed, clock=time.perf_counter
+    )
+    secret = os.environ.get("PIVOT_SECRET")
+    bus = Bus.nng(Directory.from_dict(directory), rl_messages(), secret=secret)
+    return RoleAgent(name, bus, engine=engine, role=role, scheduler=scheduler)

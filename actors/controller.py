@@ -1,0 +1,536 @@
+"""The Controller: monitor, planner, shift executor, shift journal, and the directory of actors.
+
+* Monitor: every ``interval_s`` (or at once when the trainer reports a phase change) it asks
+  each inference scheduler for its load (``QueryLoad``: replicas, running sequences, queue)
+  and the trainer for its phase, takes inter-token latencies from the agents' ``load``
+  publications, and builds a ``ClusterSnapshot`` over its allocation.
+* Planner: ``pivot.planner.Planner`` (pure); shift durations measured here feed its
+  ``record_shift_time``.
+* Executor: one shift at a time, through ``pivot.shift.ShiftTransaction``: each phase's
+  commands go out as requests (concurrently within a phase), failures are retried with a
+  backoff (wakes may be given up after ``give_up_after`` attempts), and the phase record is
+  fsync'ed to the journal before the next phase's first command.
+* Recovery, at every start: replay the journal, roll the unfinished shift back or forward,
+  ask every agent what it holds (``Describe``), the schedulers what they route to and the
+  trainer whether it holds its pool, and run the commands ``pivot.shift.reconcile`` lists,
+  so that planning starts from a consistent allocation. The allocation is what the agents
+  hold: the Controller needs no initial allocation in its config.
+* Directory: device -> agent actor, role -> scheduler actor, the trainer's name.
+
+It publishes ``ShiftStarted``, ``ShiftFinished`` and ``AllocationChanged`` on ``shift``.
+Requests it serves: ``QueryAllocation``, ``TrainerPhaseChanged``; any other message gets an
+error reply and the Controller keeps running.
+
+    Controller(name, bus, *, spec, agents, schedulers, journal, cost_models, models=None,
+               trainer=None, settings=None, routers=None, timer=None)
+    ControllerSettings (ConfigStruct): interval_s, command_timeout_s, retry_backoff_s,
+               give_up_after, recovery_attempts, planner (PlannerSettings)
+    open_journal(path) -> Journal of shift records
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+
+from pivot.actors.journal import Journal
+from pivot.actors.messages import Ack, ReplicaLoad
+from pivot.actors.shift_messages import (
+    Acquire,
+    AgentState,
+    AllocationChanged,
+    AllocationReport,
+    CutRouting,
+    Describe,
+    LendDevices,
+    MigrateSequences,
+    QueryAllocation,
+    QueryLoad,
+    QueryTrainer,
+    ReclaimDevices,
+    Register,
+    Release,
+    RemoveReplica,
+    RestoreRouting,
+    RoleLoadReport,
+    ShiftFinished,
+    ShiftStarted,
+    TrainerPhaseChanged,
+    TrainerStatus,
+)
+from pivot.bus import Actor, Bus, BusError, handles
+from pivot.cluster import INFERENCE_ROLES, Allocation, ClusterSpec, Move, Role
+from pivot.config import ConfigStruct
+from pivot.cost import CostModel
+from pivot.planner import Decision, Planner, PlannerSettings, ShiftPlan
+from pivot.routing import RouterSettings
+from pivot.shift import (
+    AcquireDevice,
+    AgentView,
+    Command,
+    CutRoute,
+    EvacuateReplica,
+    JoinScheduler,
+    LendPool,
+    Phase,
+    Rebalance,
+    ReclaimPool,
+    ReleaseDevice,
+    RestoreRoute,
+    SchedulerView,
+    ShiftRecord,
+    ShiftTransaction,
+    allocation_problems,
+    reconcile,
+    recover,
+)
+from pivot.snapshot import ClusterSnapshot, QueueState, ReplicaState, TrainerPhase
+
+Seconds = Annotated[float, msgspec.Meta(gt=0.0)]
+EVENTS_TOPIC = "shift"
+LOAD_TOPIC = "load"
+
+
+class ControllerSettings(ConfigStruct, kw_only=True):
+    interval_s: Seconds = 1.0  # planning period
+    command_timeout_s: Seconds = 30.0  # one shift command (an Acquire loads weights)
+    retry_backoff_s: Seconds = 0.5  # between attempts of a phase's failed commands
+    give_up_after: Annotated[int, msgspec.Meta(ge=1)] = 3  # attempts before a wake is given up
+    recovery_attempts: Annotated[int, msgspec.Meta(ge=1)] = 5  # per reconciliation stage
+    release_kinds: tuple[str, ...] = ("transient", "weights")
+    planner: PlannerSettings = PlannerSettings()
+
+
+def open_journal(path: str | Path, *, fsync: bool = True) -> Journal:
+    """The shift journal at ``path`` (created if missing; a torn tail is cut off)."""
+    return Journal(path, type_=ShiftRecord, fsync=fsync)
+
+
+class Controller(Actor):
+    """Plans and executes shifts over the devices in ``agents`` (device -> agent name)."""
+
+    def __init__(
+        self,
+        name: str,
+        bus: Bus,
+        *,
+        spec: ClusterSpec,
+        agents: Mapping[int, str],
+        schedulers: Mapping[Role, str],
+        journal: Journal,
+        cost_models: Mapping[Role, CostModel],
+        models: Mapping[Role, str] | None = None,
+        trainer: str | None = None,
+        settings: ControllerSettings | None = None,
+        routers: Mapping[Role, RouterSettings] | None = None,
+        timer: Callable[[], float] | None = None,
+    ) -> None:
+        super().__init__(name, bus)
+        self.spec = spec
+        missing = [d.id for d in spec.devices if d.id not in agents]
+        if missing:
+            raise ValueError(f"no agent named for devices {missing}")
+        self.agents = dict(agents)
+        self.schedulers = {Role(r): s for r, s in schedulers.items()}
+        for role in INFERENCE_ROLES:
+            if role not in self.schedulers:
+                raise ValueError(f"no scheduler named for role {role.value!r}")
+        self.journal = journal
+        self.models = {Role(r): m for r, m in (models or {}).items()}
+        self.trainer = trainer
+        self.settings = settings or ControllerSettings()
+        self.planner = Planner(spec, cost_models, self.settings.planner, routers, timer)
+        self.allocation = Allocation(spec, ())
+        self.recovered = asyncio.Event()
+        self.shift: ShiftTransaction | None = None
+        self.shifts_done = 0
+        self.last_decision: Decision | None = None
+        self.journal_problems: list[str] = []
+        self.recovery_problems: list[str] = []
+        self._next_txn = 1
+        self._woken_at: dict[str, float] = {}
+        self._itl: dict[str, float] = {}
+        self._kick = asyncio.Event()
+        self._loads = None
+
+    # --- requests served ------------------------------------------------------------------
+
+    @handles
+    def query_allocation(self, msg: QueryAllocation) -> AllocationReport:
+        shift = self.shift
+        return AllocationReport(
+            replicas=self._replica_moves(),
+            recovered=self.recovered.is_set(),
+            shifts_done=self.shifts_done,
+            txn=shift.txn if shift is not None else None,
+            phase=shift.phase.value if shift is not None else None,
+        )
+
+    @handles
+    def trainer_phase_changed(self, msg: TrainerPhaseChanged) -> Ack:
+        phase = TrainerPhase(msg.phase)  # a bad phase is an error reply naming it
+        self.log.info("trainer phase changed", phase=phase.value)
+        self._kick.set()
+        return Ack()
+
+    def _replica_moves(self) -> list[Move]:
+        return [
+            Move("wake", r.id, r.role, r.devices)
+            for r in sorted(self.allocation.replicas.values(), key=lambda r: r.devices)
+        ]
+
+    # --- the loop ---------------------------------------------------------------------------
+
+    async def on_start(self) -> None:
+        self._loads = self.subscribe(LOAD_TOPIC)
+
+    async def run(self) -> None:
+        await self.recover()
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.settings.interval_s):
+                    await self._kick.wait()
+            self._kick.clear()
+            await self.plan_once()
+
+    async def plan_once(self) -> Decision | None:
+        """Observe, decide, and execute the decision's plan (if any). None: no snapshot."""
+        snapshot = await self.observe()
+        if snapshot is None:
+            return None
+        decision = self.planner.decide(snapshot)
+        self.last_decision = decision
+        if decision.plan is not None:
+            self.log.info("shift planned", reason=decision.reason, kind=decision.plan.kind)
+            await self.execute(decision.plan, decision.reason)
+        return decision
+
+    # --- monitor ----------------------------------------------------------------------------
+
+    async def observe(self) -> ClusterSnapshot | None:
+        """A snapshot over the allocation, or None when a scheduler or the trainer is silent."""
+        if self._loads is not None:
+            for pub in self._loads.drain():
+                if isinstance(pub.message, ReplicaLoad) and pub.message.itl_s > 0:
+                    self._itl[pub.message.replica] = pub.message.itl_s
+        try:
+            reports = {
+                role: await self.request(
+                    name,
+                    QueryLoad(),
+                    expect=RoleLoadReport,
+                    timeout=self.settings.command_timeout_s,
+                )
+                for role, name in self.schedulers.items()
+            }
+            phase = TrainerPhase.WAITING
+            if self.trainer is not None:
+                status = await self.request(
+                    self.trainer,
+                    QueryTrainer(),
+                    expect=TrainerStatus,
+                    timeout=self.settings.command_timeout_s,
+                )
+                phase = TrainerPhase(status.phase)
+        except (BusError, ValueError) as exc:
+            self.log.warning("no snapshot this tick", error=repr(exc))
+            return None
+        running = {r.replica: r for report in reports.values() for r in report.replicas}
+        replicas = []
+        for replica in sorted(self.allocation.replicas.values(), key=lambda r: r.devices):
+            seen = running.get(replica.id) if replica.role in INFERENCE_ROLES else None
+            replicas.append(
+                ReplicaState(
+                    id=replica.id,
+                    role=replica.role,
+                    devices=replica.devices,
+                    seq_ids=tuple(seen.seq_ids) if seen else (),
+                    seq_tokens=tuple(seen.seq_tokens) if seen else (),
+                    itl_s=self._itl.get(replica.id, 0.0),
+                    woken_at=self._woken_at.get(replica.id),
+                )
+            )
+
+        def queue(role: Role) -> QueueState:
+            report = reports[role]
+            return QueueState(report.queued, report.queued_tokens if report.queued else 0)
+
+        return ClusterSnapshot(
+            now=self.clock.now(),
+            replicas=tuple(replicas),
+            rollout_queue=queue(Role.ROLLOUT),
+            reward_queue=queue(Role.REWARD),
+            trainer=phase,
+            shift_in_flight=self.shift is not None,
+        )
+
+    # --- executor ---------------------------------------------------------------------------
+
+    async def execute(self, plan: ShiftPlan, reason: str = "") -> ShiftTransaction:
+        """Carry out ``plan`` as one journaled transaction; returns it finished."""
+        if self.shift is not None:
+            raise RuntimeError(f"shift {self.shift.txn} is in flight; one shift at a time")
+        now = self.clock.now()
+        txn, record = ShiftTransaction.begin(self._next_txn, plan, now)
+        self._next_txn += 1
+        self.journal.append(record)  # durable before the first command goes out
+        self.shift = txn
+        await self.publish(
+            EVENTS_TOPIC,
+            ShiftStarted(
+                txn=txn.txn,
+                kind=plan.kind,
+                receiver=plan.receiver,
+                moves=list(plan.moves),
+                reason=reason,
+                expected_gain=plan.expected_gain,
+                at=now,
+            ),
+        )
+        await self._drive(txn)
+        return txn
+
+    async def _drive(self, txn: ShiftTransaction) -> None:
+        self.shift = txn
+        while not txn.finished:
+            attempt = 0
+            while pending := txn.pending():
+                results = await asyncio.gather(*(self._send(c) for c in pending))
+                attempt += 1
+                give_up = attempt >= self.settings.give_up_after
+                for command, ok in zip(pending, results, strict=True):
+                    txn.confirm(command, ok, give_up=give_up)
+                if txn.pending():
+                    await self.clock.sleep(self.settings.retry_backoff_s)
+            self.journal.append(txn.advance(self.clock.now()))
+        await self._finish(txn)
+
+    async def _finish(self, txn: ShiftTransaction) -> None:
+        now = self.clock.now()
+        moves = txn.applied_moves()
+        recovering = not self.recovered.is_set()
+        if not recovering:
+            # (a recovered shift: recovery reads the allocation from the agents next)
+            try:
+                self.allocation = self.allocation.apply(moves)
+            except ValueError as exc:
+                self.log.error("allocation does not fit the shift; re-reading it", error=str(exc))
+                self.allocation = await self._read_allocation(fix=True)
+        for move in moves:
+            if move.kind == "wake":
+                self._woken_at[move.replica_id] = now
+            else:
+                self._woken_at.pop(move.replica_id, None)
+                self._itl.pop(move.replica_id, None)
+        seconds = max(now - txn.started_at, 0.0)
+        if txn.phase is Phase.DONE:
+            if not recovering:  # a recovered shift's time includes the Controller's downtime
+                self.planner.record_shift_time(seconds)
+            self.shifts_done += 1
+        self.shift = None
+        self.log.info(
+            "shift finished", txn=txn.txn, outcome=txn.phase.value, seconds=round(seconds, 3)
+        )
+        await self.publish(
+            EVENTS_TOPIC,
+            ShiftFinished(
+                txn=txn.txn,
+                outcome=txn.phase.value,
+                failed=sorted(txn.failed),
+                seconds=seconds,
+                at=now,
+            ),
+            AllocationChanged(replicas=self._replica_moves(), at=now),
+        )
+
+    async def _send(self, command: Command) -> bool:
+        """Send one command; True when it was carried out (a BusError is a failure)."""
+        timeout = self.settings.command_timeout_s
+        try:
+            match command:
+                case CutRoute(role, replica):
+                    await self.request(
+                        self.schedulers[role], CutRouting(replica=replica), timeout=timeout
+                    )
+                case RestoreRoute(role, replica):
+                    await self.request(
+                        self.schedulers[role], RestoreRouting(replica=replica), timeout=timeout
+                    )
+                case EvacuateReplica(role, replica, force):
+                    await self.request(
+                        self.schedulers[role],
+                        RemoveReplica(replica=replica, force=force),
+                        timeout=timeout,
+                    )
+                case ReleaseDevice(device, replica):
+                    await self.request(
+                        self.agents[device],
+                        Release(replica=replica, kinds=self.settings.release_kinds),
+                        expect=AgentState,
+                        timeout=timeout,
+                    )
+                case AcquireDevice(device, role, replica, devices):
+                    await self.request(
+                        self.agents[device],
+                        Acquire(
+                            role=role,
+                            replica=replica,
+                            devices=list(devices),
+                            model=self.models.get(role, ""),
+                            scheduler=self.schedulers.get(role),
+                        ),
+                        expect=AgentState,
+                        timeout=timeout,
+                    )
+                case JoinScheduler(device, _, replica):
+                    await self.request(
+                        self.agents[device],
+                        Register(replica=replica),
+                        expect=AgentState,
+                        timeout=timeout,
+                    )
+                case LendPool(devices):
+                    if self.trainer is not None:
+                        await self.request(
+                            self.trainer,
+                            LendDevices(devices=list(devices), txn=self._txn_id()),
+                            expect=TrainerStatus,
+                            timeout=timeout,
+                        )
+                case ReclaimPool(devices):
+                    if self.trainer is not None:
+                        await self.request(
+                            self.trainer,
+                            ReclaimDevices(devices=list(devices), txn=self._txn_id()),
+                            expect=TrainerStatus,
+                            timeout=timeout,
+                        )
+                case Rebalance(role, migrations):
+                    await self.request(
+                        self.schedulers[role],
+                        MigrateSequences(migrations=list(migrations)),
+                        timeout=timeout,
+                    )
+        except BusError as exc:
+            self.log.warning("shift command failed", command=repr(command), error=repr(exc))
+            return False
+        return True
+
+    def _txn_id(self) -> int:
+        return self.shift.txn if self.shift is not None else 0
+
+    # --- recovery ---------------------------------------------------------------------------
+
+    async def recover(self) -> None:
+        """Finish what the journal left open, then reconcile agents, schedulers and trainer."""
+        opened = self.journal.opened
+        if opened.problem is not None:
+            self.journal_problems.append(opened.problem)
+            self.log.warning("journal tail cut off", problem=opened.problem)
+        state = recover(opened.records)
+        self.journal_problems.extend(state.problems)
+        self._next_txn = state.next_txn
+        txn = state.unfinished
+        if txn is not None:
+            self.log.info("recovering shift", txn=txn.txn, phase=txn.phase.value)
+            self.shift = txn
+            if txn.rolls_back:
+                await self._run_stage(txn.rollback_commands(), must=False)
+                self.journal.append(txn.rolled_back(self.clock.now()))
+                await self._finish(txn)
+            else:
+                await self._drive(txn)
+        self.allocation = await self._read_allocation(fix=True)
+        self.recovered.set()
+        await self.publish(
+            EVENTS_TOPIC, AllocationChanged(replicas=self._replica_moves(), at=self.clock.now())
+        )
+
+    async def _run_stage(self, commands: list[Command], *, must: bool) -> bool:
+        """Send ``commands`` until all succeed (at most ``recovery_attempts`` rounds unless
+        ``must``); True when they all did."""
+        left = list(commands)
+        attempt = 0
+        while left:
+            results = await asyncio.gather(*(self._send(c) for c in left))
+            left = [c for c, ok in zip(left, results, strict=True) if not ok]
+            attempt += 1
+            if left and not must and attempt >= self.settings.recovery_attempts:
+                self.log.warning("recovery commands failed", commands=[repr(c) for c in left])
+                return False
+            if left:
+                await self.clock.sleep(self.settings.retry_backoff_s)
+        return True
+
+    async def describe(
+        self,
+    ) -> tuple[list[AgentView], dict[Role, SchedulerView], bool | None]:
+        """What agents hold, what schedulers route to, and whether the trainer holds its pool
+        (None: no trainer, or it did not answer)."""
+        timeout = self.settings.command_timeout_s
+        states = await asyncio.gather(
+            *(
+                self._ask(self.agents[d.id], Describe(), AgentState, timeout)
+                for d in self.spec.devices
+            )
+        )
+        agents = []
+        for device, state in zip(self.spec.devices, states, strict=True):
+            name = self.agents[device.id]
+            if state is None:
+                agents.append(AgentView(device=device.id, agent=name, reachable=False))
+                continue
+            agents.append(
+                AgentView(
+                    device=device.id,
+                    agent=name,
+                    role=state.role,
+                    replica=state.replica,
+                    devices=tuple(state.devices),
+                    weights_version=state.weights_version,
+                    running=tuple(state.running),
+                )
+            )
+        schedulers = {}
+        for role, name in self.schedulers.items():
+            report = await self._ask(name, QueryLoad(), RoleLoadReport, timeout)
+            if report is not None:
+                schedulers[role] = SchedulerView(
+                    role=role,
+                    replicas={r.replica: r.agent for r in report.replicas},
+                    cut=frozenset(report.cut),
+                )
+        holds = None
+        if self.trainer is not None:
+            status = await self._ask(self.trainer, QueryTrainer(), TrainerStatus, timeout)
+            holds = None if status is None else status.holds_pool
+        return agents, schedulers, holds
+
+    async def _ask(self, to: str, msg: msgspec.Struct, expect: type, timeout: float):  # noqa: ANN202
+        try:
+            return await self.request(to, msg, expect=expect, timeout=timeout)
+        except BusError as exc:
+            self.log.warning("no answer", to=to, message=type(msg).__name__, error=repr(exc))
+            return None
+
+    async def _read_allocation(self, *, fix: bool = False) -> Allocation:
+        """The allocation the agents hold; with ``fix``, first run what reconcile lists."""
+        agents, schedulers, holds = await self.describe()
+        result = reconcile(self.spec, agents, schedulers, holds)
+        if fix and result.stages:
+            for problem in result.problems:
+                self.log.warning("inconsistent allocation", problem=problem)
+            self.recovery_problems.extend(result.problems)
+            for stage in result.stages:
+                await self._run_stage(stage, must=False)
+            agents, schedulers, holds = await self.describe()
+            result = reconcile(self.spec, agents, schedulers, holds)
+            left = allocation_problems(self.spec, agents, schedulers, holds)
+            for problem in left:
+                self.log.error("allocation still inconsistent", problem=problem)
+        return Allocation(self.spec, result.replicas)

@@ -1,0 +1,143 @@
+"""The RL messages the actors exchange: one tagged union (every subclass of ``RLMessage``).
+
+Whatever must arrive (sequences, completions, scores, shift commands) travels as a request and
+is acknowledged; only what the next sample replaces (load metrics) is published. Token ids
+travel as lists of ints; msgpack keeps them compact.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from pivot.bus import Message
+from pivot.engine import FinishReason, SamplingParams
+
+PROTOCOL_VERSION = 1
+
+
+class RLMessage(Message):
+    """Base of every RL message; the codec is built from its subclasses."""
+
+
+class Work(msgspec.Struct, frozen=True, kw_only=True):
+    """One sequence as a replica needs it: prompt, partial output to re-prefill, sampling."""
+
+    seq_id: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    generated_ids: list[int] = []
+    generated_logprobs: list[float] = []
+    policy_version: int = 0
+
+
+class Completion(msgspec.Struct, frozen=True, kw_only=True):
+    """A finished sequence: its whole output."""
+
+    seq_id: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    replica: str = ""
+
+
+# -- driver <-> scheduler
+
+
+class SubmitSequences(RLMessage, kw_only=True):
+    """New sequences for a role's shared queue."""
+
+    sequences: list[Work]
+
+
+class Accepted(RLMessage, kw_only=True):
+    count: int
+
+
+class Completed(RLMessage, kw_only=True):
+    """Sequences the role finished, delivered to the stage after it."""
+
+    role: str
+    completions: list[Completion]
+
+
+class QueryStatus(RLMessage, kw_only=True):
+    """Ask a scheduler for its state (monitors, and the driver before its first step)."""
+
+
+class SchedulerStatus(RLMessage, kw_only=True):
+    role: str
+    replicas: list[str]
+    queued: int
+    running: int
+    completed: int
+
+
+# -- scheduler <-> agent
+
+
+class RegisterReplica(RLMessage, kw_only=True):
+    """An agent offers a replica of ``role`` to the role's scheduler."""
+
+    replica: str
+    agent: str
+    role: str
+    max_running: int
+    protocol: int = PROTOCOL_VERSION
+
+
+class Assign(RLMessage, kw_only=True):
+    """Scheduler -> agent: run these sequences (Dispatch; non-empty partial output re-prefills)."""
+
+    sequences: list[Work]
+
+
+class Finished(RLMessage, kw_only=True):
+    """Agent -> scheduler: sequences that finished on the replica in the last step(s)."""
+
+    replica: str
+    completions: list[Completion]
+
+
+class Abort(RLMessage, kw_only=True):
+    """Scheduler -> agent: stop these sequences (all when ``seq_ids`` is None), return partials."""
+
+    seq_ids: list[int] | None = None
+
+
+class Partial(msgspec.Struct, frozen=True, kw_only=True):
+    seq_id: int
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+class Aborted(RLMessage, kw_only=True):
+    partials: list[Partial]
+
+
+class Ack(RLMessage, kw_only=True):
+    count: int = 0
+
+
+# -- metrics (published, lossy)
+
+
+class ReplicaLoad(RLMessage, kw_only=True):
+    """A replica's load after a step, for routing and the planner's cost-model refit."""
+
+    replica: str
+    role: str
+    running: int
+    kv_tokens: int
+    itl_s: float
+    generated_tokens: int
+    seq_tokens: dict[int, int] = {}
+
+
+def rl_messages() -> list[type[RLMessage]]:
+    found: list[type[RLMessage]] = []
+    stack: list[type[RLMessage]] = [RLMessage]
+    while stack:
+        for sub in stack.pop().__subclasses__():
+            found.append(sub)
+            stack.append(sub)
+    return found

@@ -1,0 +1,404 @@
+"""Scheduler: the actor that owns one inference role's shared waiting queue.
+
+It wraps ``pivot.routing.RoleScheduler`` (queue, replica table, routing, ledger) and moves
+the bytes: prompt and partial output of every sequence it holds, Assign requests to agents,
+Finished reports from them, and Completed deliveries to the next stage. Each sequence has one
+owner at every moment; the ledger proves it (``check_ownership``).
+
+Shift commands from the Controller (``pivot.actors.shift_messages``), all idempotent:
+
+* ``CutRouting`` / ``RestoreRouting``: a cut replica looks full to the router, so it gets no
+  new sequence while what it runs carries on.
+* ``RemoveReplica``: shift-down. The agent aborts everything the replica runs (``Evacuate``);
+  each sequence goes back to the queue's front and its ``Work`` keeps the partial output, so
+  the next dispatch re-prefills prompt + partial; completions the agent had not reported yet
+  come back with the partials and are delivered as usual.
+* ``MigrateSequences``: rebalance running sequences onto other replicas (abort + dispatch).
+* ``QueryLoad``: replicas, what each runs, the queue and the cut set (the Controller's
+  monitor and recovery read it). A replica joins through ``RegisterReplica`` as before.
+
+Why nothing is lost or run twice across a removal: Assign requests and aborts to one replica
+hold that replica's lock, so an Assign in flight when a removal starts lands before the
+abort, and an Assign of sequences the removal already took back is not sent; the agent
+answers ``Evacuate`` only after a report it has in flight was answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+
+import msgspec
+import numpy as np
+
+from pivot.actors.messages import (
+    Abort,
+    Aborted,
+    Accepted,
+    Ack,
+    Assign,
+    Completed,
+    Completion,
+    Finished,
+    Partial,
+    QueryStatus,
+    RegisterReplica,
+    SchedulerStatus,
+    SubmitSequences,
+    Work,
+)
+from pivot.actors.shift_messages import (
+    CutRouting,
+    Evacuate,
+    Evacuated,
+    MigrateSequences,
+    QueryLoad,
+    RemoveReplica,
+    ReplicaRemoved,
+    ReplicaRunning,
+    RestoreRouting,
+    RoleLoadReport,
+)
+from pivot.bus import Actor, Bus, BusError, handles
+from pivot.cluster import Role
+from pivot.queue import Sequence, SequenceLedger
+from pivot.routing import RoleScheduler, Router
+
+
+class _CutRouter:
+    """The role's router, with cut replicas looking full (at the router's cap) so that no
+    rule admits a sequence to them."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.mask: np.ndarray | None = None  # per replica (sorted ids): cut
+
+    @property
+    def settings(self):  # noqa: ANN201 - the wrapped router's RouterSettings
+        return self.router.settings
+
+    @property
+    def model(self):  # noqa: ANN201 - the wrapped router's CostModel
+        return self.router.model
+
+    def _masked(self, running: np.ndarray) -> np.ndarray:
+        mask = self.mask
+        if mask is None or mask.shape != running.shape:
+            return running
+        return np.where(mask, self.router.settings.max_concurrent_per_replica, running)
+
+    def choose(self, running: np.ndarray, tokens: np.ndarray, seq_tokens: float) -> int:
+        return self.router.choose(self._masked(running), tokens, seq_tokens)
+
+    def slot_scores(
+        self, running: np.ndarray, tokens: np.ndarray, k_max: int, mean_tokens: float
+    ) -> np.ndarray:
+        return self.router.slot_scores(self._masked(running), tokens, k_max, mean_tokens)
+
+
+class Scheduler(Actor):
+    """The shared queue of ``role``; finished sequences go to ``downstream``."""
+
+    def __init__(
+        self,
+        name: str,
+        bus: Bus,
+        *,
+        role: Role,
+        router: Router,
+        downstream: str,
+        ledger: SequenceLedger | None = None,
+        request_timeout: float = 30.0,
+    ) -> None:
+        super().__init__(name, bus)
+        self.role = role
+        self.downstream = downstream
+        self.request_timeout = request_timeout
+        self._router = _CutRouter(router)
+        self.core = RoleScheduler(role, self._router, ledger or SequenceLedger())
+        self._work: dict[int, Work] = {}
+        self._agents: dict[str, str] = {}  # replica -> agent actor
+        self._cut: set[str] = set()
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._undelivered: list[Completion] = []
+        self._kick = asyncio.Event()
+        self.completed = 0
+
+    # --- replicas -------------------------------------------------------------------------
+
+    def _lock(self, replica: str) -> asyncio.Lock:
+        lock = self._locks.get(replica)
+        if lock is None:
+            lock = self._locks[replica] = asyncio.Lock()
+        return lock
+
+    def _update_cut(self) -> None:
+        self._cut &= set(self._agents)
+        if self._cut:
+            self._router.mask = np.array([r in self._cut for r in self.core.replicas])
+        else:
+            self._router.mask = None
+
+    @handles
+    def register(self, msg: RegisterReplica) -> Ack:
+        if msg.role != self.role.value:
+            raise ValueError(
+                f"replica {msg.replica!r} of role {msg.role!r} registered with the "
+                f"{self.role.value} scheduler"
+            )
+        if msg.replica not in self._agents:
+            self.core.add_replica(msg.replica)
+        self._agents[msg.replica] = msg.agent
+        self._update_cut()
+        self.log.info("replica registered", replica=msg.replica, agent=msg.agent)
+        self._kick.set()
+        return Ack()
+
+    @handles
+    def cut_routing(self, msg: CutRouting) -> Ack:
+        known = msg.replica in self._agents
+        if known:
+            self._cut.add(msg.replica)
+            self._update_cut()
+        return Ack(count=int(known))
+
+    @handles
+    def restore_routing(self, msg: RestoreRouting) -> Ack:
+        known = msg.replica in self._cut
+        self._cut.discard(msg.replica)
+        self._update_cut()
+        self._kick.set()
+        return Ack(count=int(known))
+
+    @handles
+    async def remove_replica(self, msg: RemoveReplica) -> ReplicaRemoved:
+        replica = msg.replica
+        if replica not in self._agents:
+            return ReplicaRemoved(replica=replica, known=False)
+        self._cut.add(replica)
+        self._update_cut()
+        async with self._lock(replica):
+            agent = self._agents.get(replica)
+            if agent is None:  # a concurrent removal finished first
+                return ReplicaRemoved(replica=replica, known=False)
+            evacuated = Evacuated(replica=replica)
+            if not msg.force:
+                # a failure here leaves the replica cut and registered: the Controller retries
+                evacuated = await self.request(
+                    agent,
+                    Evacuate(replica=replica),
+                    expect=Evacuated,
+                    timeout=self.request_timeout,
+                )
+            running = {s.id for s in self.core.running_on(replica)}
+            done = [c for c in evacuated.completions if c.seq_id in running]
+            self._complete(replica, done)
+            generated = self._keep_partials(evacuated.partials, running)
+            requeued = self.core.remove_replica(replica, generated)
+            del self._agents[replica]
+            self._locks.pop(replica, None)
+            self._update_cut()
+        self.log.info(
+            "replica removed", replica=replica, requeued=len(requeued), completed=len(done)
+        )
+        self._kick.set()
+        return ReplicaRemoved(
+            replica=replica, known=True, requeued=len(requeued), completed=len(done)
+        )
+
+    def _keep_partials(self, partials: list[Partial], running: set[int]) -> dict[int, int]:
+        """Store each aborted sequence's partial output in its Work: the next replica
+        re-prefills prompt + partial. Returns the generated token count per sequence."""
+        generated: dict[int, int] = {}
+        for partial in partials:
+            if partial.seq_id not in running:
+                self.log.warning("partial of a sequence not running here", seq_id=partial.seq_id)
+                continue
+            work = self._work[partial.seq_id]
+            self._work[partial.seq_id] = msgspec.structs.replace(
+                work,
+                generated_ids=list(partial.token_ids),
+                generated_logprobs=list(partial.logprobs),
+            )
+            generated[partial.seq_id] = len(partial.token_ids)
+        return generated
+
+    @handles
+    async def migrate(self, msg: MigrateSequences) -> Ack:
+        by_source: dict[str, list] = defaultdict(list)
+        for m in msg.migrations:
+            by_source[m.source].append(m)
+        placed: dict[str, list[Work]] = defaultdict(list)
+        for source, moves in sorted(by_source.items()):
+            agent = self._agents.get(source)
+            if agent is None:
+                continue
+            async with self._lock(source):
+                if source not in self._agents:
+                    continue
+                running = {s.id for s in self.core.running_on(source)}
+                wanted = [
+                    m
+                    for m in moves
+                    if m.seq_id in running
+                    and m.target in self._agents
+                    and m.target not in self._cut
+                    and m.target != source
+                ]
+                if not wanted:
+                    continue
+                reply = await self.request(
+                    agent,
+                    Abort(seq_ids=[m.seq_id for m in wanted]),
+                    expect=Aborted,
+                    timeout=self.request_timeout,
+                )
+                generated = self._keep_partials(reply.partials, running)
+                self.core.abort(source, list(generated), generated)
+                for m in wanted:
+                    if m.seq_id not in generated:
+                        continue  # finished on the agent meanwhile: its report is on the way
+                    if m.target in self._agents:
+                        d = self.core.dispatch_to(m.seq_id, m.target)
+                        placed[d.replica_id].append(self._work[d.seq_id])
+        moved = sum(len(ws) for ws in placed.values())
+        await self._send_assigns(placed)
+        self._kick.set()
+        return Ack(count=moved)
+
+    @handles
+    def load(self, msg: QueryLoad) -> RoleLoadReport:
+        replicas = []
+        for replica in self.core.replicas:
+            seqs = self.core.running_on(replica)
+            replicas.append(
+                ReplicaRunning(
+                    replica=replica,
+                    agent=self._agents.get(replica, ""),
+                    seq_ids=[s.id for s in seqs],
+                    seq_tokens=[s.tokens for s in seqs],
+                )
+            )
+        return RoleLoadReport(
+            role=self.role,
+            replicas=replicas,
+            queued=len(self.core.queue),
+            queued_tokens=int(self.core.queue.tokens),
+            cut=sorted(self._cut),
+        )
+
+    # --- sequences --------------------------------------------------------------------------
+
+    @handles
+    def submit(self, msg: SubmitSequences) -> Accepted:
+        duplicates = [w.seq_id for w in msg.sequences if w.seq_id in self._work]
+        if duplicates:
+            raise ValueError(f"sequences already submitted: {duplicates[:10]}")
+        for work in msg.sequences:
+            self._work[work.seq_id] = work
+            self.core.submit(
+                Sequence(
+                    id=work.seq_id,
+                    prompt_tokens=len(work.prompt_ids),
+                    generated_tokens=len(work.generated_ids),
+                    policy_version=work.policy_version,
+                )
+            )
+        self._kick.set()
+        return Accepted(count=len(msg.sequences))
+
+    @handles
+    def finished(self, msg: Finished) -> Ack:
+        if msg.replica not in self._agents:
+            # a replica removed by force: its sequences were requeued and run again elsewhere
+            self.log.warning(
+                "report from a removed replica ignored",
+                replica=msg.replica,
+                sequences=len(msg.completions),
+            )
+            return Ack(count=0)
+        self._complete(msg.replica, msg.completions)
+        self._kick.set()
+        return Ack(count=len(msg.completions))
+
+    def _complete(self, replica: str, completions: list[Completion]) -> None:
+        for completion in completions:
+            self.core.complete(replica, completion.seq_id, len(completion.token_ids))
+            self._work.pop(completion.seq_id, None)
+            self._undelivered.append(completion)
+        self.completed += len(completions)
+
+    @handles
+    def status(self, msg: QueryStatus) -> SchedulerStatus:
+        _, running, _ = self.core.loads()
+        return SchedulerStatus(
+            role=self.role.value,
+            replicas=self.core.replicas,
+            queued=len(self.core.queue),
+            running=int(running.sum()),
+            completed=self.completed,
+        )
+
+    async def run(self) -> None:
+        while True:
+            await self._kick.wait()
+            self._kick.clear()
+            await self._dispatch()
+            if self._undelivered:
+                await self._deliver()
+
+    async def _dispatch(self) -> None:
+        placed: dict[str, list[Work]] = defaultdict(list)
+        for d in self.core.dispatch():
+            placed[d.replica_id].append(self._work[d.seq_id])
+        await self._send_assigns(placed)
+
+    async def _send_assigns(self, placed: dict[str, list[Work]]) -> None:
+        sends = [self._assign(r, ws) for r, ws in placed.items()]
+        for replica, result in zip(
+            placed, await asyncio.gather(*sends, return_exceptions=True), strict=True
+        ):
+            if isinstance(result, BaseException):
+                sent, error = result.args if isinstance(result, _AssignFailed) else ([], result)
+                if replica in self._agents:
+                    running = {s.id for s in self.core.running_on(replica)}
+                    # back to the queue's front: the sequences stay owned, nothing is lost
+                    self.core.abort(replica, [i for i in sent if i in running])
+                self.log.warning("assign failed", replica=replica, error=repr(error))
+                self._kick.set()
+
+    async def _assign(self, replica: str, works: list[Work]) -> None:
+        async with self._lock(replica):
+            if replica not in self._agents:
+                return  # removed meanwhile: the removal took these sequences back
+            running = {s.id for s in self.core.running_on(replica)}
+            works = [w for w in works if w.seq_id in running]
+            if not works:
+                return
+            try:
+                await self.request(
+                    self._agents[replica], Assign(sequences=works), timeout=self.request_timeout
+                )
+            except BusError as exc:
+                raise _AssignFailed([w.seq_id for w in works], exc) from exc
+
+    async def _deliver(self) -> None:
+        batch, self._undelivered = self._undelivered, []
+        try:
+            await self.request(
+                self.downstream,
+                Completed(role=self.role.value, completions=batch),
+                timeout=self.request_timeout,
+            )
+        except BusError as exc:
+            self._undelivered[:0] = batch
+            self.log.warning("delivery failed, will retry", error=repr(exc), pending=len(batch))
+            await self.clock.sleep(0.5)
+            self._kick.set()
+
+    def outstanding(self) -> int:
+        return len(self._work)
+
+
+class _AssignFailed(Exception):
+    """An Assign that did not arrive: args are (sequence ids sent, the bus error)."""

@@ -1,0 +1,218 @@
+"""The messages of shifting: Controller -> schedulers, agents and trainer, scheduler -> agent,
+and the Controller's events. Part of the one tagged union (subclasses of ``RLMessage``); import
+this module before building a codec from ``rl_messages()``.
+
+Every command is a request with a reply and is idempotent (DESIGN.md, "Shifting a device
+group"), so a Controller that restarts may send it again:
+
+    scheduler: CutRouting, RestoreRouting -> Ack;  RemoveReplica -> ReplicaRemoved;
+               MigrateSequences -> Ack;  QueryLoad -> RoleLoadReport
+               (a replica joins with ``RegisterReplica``, sent by its agent on ``Register``)
+    agent:     Evacuate (from its scheduler) -> Evacuated;
+               Describe, Release, Acquire, Register -> AgentState
+    trainer:   LendDevices, ReclaimDevices, QueryTrainer -> TrainerStatus
+    controller: TrainerPhaseChanged -> Ack;  QueryAllocation -> AllocationReport
+
+Published on the Controller's ``shift`` topic, for monitors (lossy): ShiftStarted,
+ShiftFinished, AllocationChanged.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from pivot.actors.messages import Completion, Partial, RLMessage
+from pivot.cluster import Move, Role
+from pivot.planner import Migration
+
+# -- controller -> scheduler
+
+
+class CutRouting(RLMessage, kw_only=True):
+    """Route no new sequence to ``replica`` (what it runs keeps running)."""
+
+    replica: str
+
+
+class RestoreRouting(RLMessage, kw_only=True):
+    """Route to ``replica`` again."""
+
+    replica: str
+
+
+class RemoveReplica(RLMessage, kw_only=True):
+    """Shift-down: the scheduler has the agent abort everything ``replica`` runs, puts those
+    sequences back at the queue's front with their partial output, and forgets the replica.
+    ``force``: the agent is gone; requeue without asking it (partial outputs since the last
+    dispatch are lost, the sequences are not)."""
+
+    replica: str
+    force: bool = False
+
+
+class ReplicaRemoved(RLMessage, kw_only=True):
+    replica: str
+    known: bool  # False: the scheduler did not route to it (already removed)
+    requeued: int = 0
+    completed: int = 0  # finished on the agent before the abort, delivered as completions
+
+
+class MigrateSequences(RLMessage, kw_only=True):
+    """Rebalance: abort each sequence on its source replica and dispatch it to its target.
+    Sequences that finished or moved meanwhile are skipped; the reply counts those moved."""
+
+    migrations: list[Migration]
+
+
+class QueryLoad(RLMessage, kw_only=True):
+    """Ask a scheduler for its replicas, what each runs, its queue, and what is cut."""
+
+
+class ReplicaRunning(msgspec.Struct, frozen=True, kw_only=True):
+    replica: str
+    agent: str
+    seq_ids: list[int]
+    seq_tokens: list[int]  # per sequence: prompt + generated as of its last dispatch
+
+
+class RoleLoadReport(RLMessage, kw_only=True):
+    role: Role
+    replicas: list[ReplicaRunning]
+    queued: int
+    queued_tokens: int
+    cut: list[str] = []
+
+
+# -- scheduler -> agent
+
+
+class Evacuate(RLMessage, kw_only=True):
+    """Abort everything the agent runs for ``replica`` and stop accepting work for it; the
+    reply carries the partial outputs and any completions not yet reported."""
+
+    replica: str
+
+
+class Evacuated(RLMessage, kw_only=True):
+    replica: str
+    partials: list[Partial] = []
+    completions: list[Completion] = []
+
+
+# -- controller -> agent
+
+
+class Describe(RLMessage, kw_only=True):
+    """What do you hold? (recovery)"""
+
+
+class Release(RLMessage, kw_only=True):
+    """Drop ``replica``: release the engine's ``kinds`` of context; the device becomes free.
+    A no-op when the agent holds another replica or none."""
+
+    replica: str
+    kinds: tuple[str, ...] = ("transient", "weights")
+
+
+class Acquire(RLMessage, kw_only=True):
+    """Become part of ``replica`` of ``role`` on ``devices``. The agent of ``devices[0]``
+    leads: it resumes its engine for ``role``, loads ``model``'s weights (a version of at
+    least ``min_version``), and will serve for ``scheduler``. Idempotent for the same
+    replica; refused while another is held."""
+
+    role: Role
+    replica: str
+    devices: list[int]
+    model: str = ""
+    min_version: int = 0
+    scheduler: str | None = None
+
+
+class Register(RLMessage, kw_only=True):
+    """Leader of ``replica``: register it with your role's scheduler (idempotent)."""
+
+    replica: str
+
+
+class AgentState(RLMessage, kw_only=True):
+    agent: str
+    device: int | None
+    role: Role
+    replica: str | None
+    devices: list[int]
+    weights_version: int
+    running: list[int]
+    unreported: int = 0
+    serving: bool = False  # leads an engine that accepts work
+    scheduler: str | None = None
+
+
+# -- controller <-> trainer
+
+
+class LendDevices(RLMessage, kw_only=True):
+    """To the trainer: offload and lend ``devices`` (the whole pool) to inference."""
+
+    devices: list[int]
+    txn: int = 0
+
+
+class ReclaimDevices(RLMessage, kw_only=True):
+    """To the trainer: ``devices`` (the whole pool) are yours again; reload."""
+
+    devices: list[int]
+    txn: int = 0
+
+
+class QueryTrainer(RLMessage, kw_only=True):
+    """Ask the trainer its phase and whether it holds its pool."""
+
+
+class TrainerStatus(RLMessage, kw_only=True):
+    phase: str  # pivot.snapshot.TrainerPhase: waiting | training | ready
+    holds_pool: bool
+
+
+class TrainerPhaseChanged(RLMessage, kw_only=True):
+    """From the trainer: its phase changed (``ready``: reclaim now); the Controller plans at
+    once instead of at its next tick."""
+
+    phase: str
+
+
+# -- controller: queries and events
+
+
+class QueryAllocation(RLMessage, kw_only=True):
+    """Ask the Controller for its allocation and the shift in flight."""
+
+
+class AllocationReport(RLMessage, kw_only=True):
+    replicas: list[Move]  # every replica as a wake move: id, role, devices
+    recovered: bool  # recovery finished; the planner runs
+    shifts_done: int
+    txn: int | None = None  # the shift in flight
+    phase: str | None = None
+
+
+class ShiftStarted(RLMessage, kw_only=True):
+    txn: int
+    kind: str
+    receiver: Role
+    moves: list[Move]
+    reason: str
+    expected_gain: float
+    at: float
+
+
+class ShiftFinished(RLMessage, kw_only=True):
+    txn: int
+    outcome: str  # done | rolled_back
+    failed: list[str]
+    seconds: float
+    at: float
+
+
+class AllocationChanged(RLMessage, kw_only=True):
+    replicas: list[Move]
+    at: float

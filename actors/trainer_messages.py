@@ -1,0 +1,80 @@
+"""The messages of the training role: what the driver asks the trainer (a GRPO step on a
+scored batch), what the controller asks it around shifts (offload, reload), and the trainer
+state it publishes for the planner.
+
+Names carry "Trainer" where a bare verb (Offload, Reload) could collide with another role's
+message: tags are class names, one union for the whole job.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pivot.actors.messages import RLMessage
+from pivot.grpo import RolloutSample, TrainStats
+
+TrainerStateName = Literal["idle", "training", "offloaded"]
+
+
+class TrainBatch(RLMessage, kw_only=True):
+    """Driver -> trainer: run one GRPO step on these scored completions. ``step``: the
+    driver's step number, for logs and the reply."""
+
+    samples: list[RolloutSample]
+    step: int = -1
+
+
+class Trained(RLMessage, kw_only=True):
+    """The step's statistics; ``stats.version`` is the new policy version, already
+    published to GPS when ``gps_version`` is set (None: the trainer has no store)."""
+
+    step: int
+    stats: TrainStats
+    gps_version: int | None = None
+    gps_write_s: float = 0.0
+
+
+class OffloadTrainer(RLMessage, kw_only=True):
+    """Controller -> trainer: move optimizer state, gradients and parameters off the devices
+    (the trainer pool lends them to inference). Idempotent."""
+
+
+class ReloadTrainer(RLMessage, kw_only=True):
+    """Controller -> trainer: take the state back before training. Idempotent; a TrainBatch
+    that arrives while offloaded reloads first."""
+
+
+class QueryTrainer(RLMessage, kw_only=True):
+    """Ask for the trainer's status. ``fingerprints``: also a digest of each rank's
+    parameters (a collective over the group: a few ms for the tiny policy)."""
+
+    fingerprints: bool = False
+
+
+class TrainerStatus(RLMessage, kw_only=True):
+    """The reply to QueryTrainer, OffloadTrainer and ReloadTrainer.
+
+    ``fingerprints``: per rank, the sha256 of its exported parameters (names sorted, raw
+    bytes), empty unless asked for; every rank holds the same policy when they are equal.
+    ``seconds``: what the request itself took (the offload or reload, for those).
+    """
+
+    name: str
+    state: TrainerStateName
+    version: int
+    world_size: int
+    zero_stage: int
+    steps: int
+    store: str | None
+    fingerprints: list[str] = []
+    seconds: float = 0.0
+
+
+class TrainerState(RLMessage, kw_only=True):
+    """Published on topic ``trainer`` whenever the state changes (lossy, for monitors and
+    the planner: the trainer pool may lend devices only while it is not training)."""
+
+    name: str
+    state: TrainerStateName
+    version: int
+    last_step_s: float = 0.0

@@ -1,0 +1,171 @@
+"""The RL task that pivot's real CPU job trains on: two-digit addition answered with a
+column-by-column scratchpad, its exact checker, the GenRM prompt and the GenRM verdict parser.
+
+Problems are generated from a seed, each with its reference answer. A worked response adds
+the columns from the units up, carry included, then gives the answer after '>':
+
+    prompt    "47+85="
+    response  "7+5+0=12 4+8+1=13 >132"
+
+The response is long enough (23 tokens with eos) that rollout decoding is real work, and it
+has several small steps a tiny model gets partly right, so a short SFT leaves it weak but not
+at zero and RL has room to push it up.
+
+The GenRM reads (prompt, response, reference) and writes a short judgment (about 20 tokens)
+that ends in a verdict, e.g. "132 vs 132: correct" or "133 vs 132: wrong";
+``parse_judgment`` turns that into a score. Anything else is malformed: score 0, flagged,
+and counted by ``JudgmentTally``.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+import msgspec
+
+DIGITS = 2
+ANSWER_MARK = ">"
+# longest answer the checker accepts (a sum of two DIGITS-digit numbers has at most DIGITS + 1);
+# longer digit strings count as no answer
+MAX_ANSWER_CHARS = DIGITS + 2
+CORRECT = "correct"
+WRONG = "wrong"
+UNPARSED = "?"
+
+_PROMPT = re.compile(r"^(\d+)\+(\d+)=$")
+_VERDICT = re.compile(r":\s*(correct|wrong)\s*$")
+
+
+class Problem(msgspec.Struct, frozen=True):
+    """One task instance: the text the policy sees and the answer it must give."""
+
+    prompt: str
+    reference: str
+
+
+def make_problems(seed: int, count: int, digits: int = DIGITS) -> list[Problem]:
+    """``count`` problems with ``digits``-digit operands, the same list for the same seed."""
+    if count < 0:
+        raise ValueError(f"count must be >= 0, got {count}")
+    if not 1 <= digits <= 9:
+        raise ValueError(f"digits must be in 1..9, got {digits}")
+    rng = random.Random(seed)
+    low, high = 10 ** (digits - 1), 10**digits - 1
+    problems = []
+    for _ in range(count):
+        a, b = rng.randint(low, high), rng.randint(low, high)
+        problems.append(Problem(prompt=f"{a}+{b}=", reference=str(a + b)))
+    return problems
+
+
+def operands(prompt: str) -> tuple[int, int]:
+    """The two numbers of a prompt like '47+85='."""
+    m = _PROMPT.match(prompt)
+    if m is None:
+        raise ValueError(f"not a task prompt (expected like '47+85='): {prompt!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def worked_response(prompt: str) -> str:
+    """The correct scratchpad response to a prompt: the SFT target."""
+    a, b = operands(prompt)
+    xs, ys = str(a)[::-1], str(b)[::-1]
+    width = max(len(xs), len(ys))
+    carry, columns, units = 0, [], []
+    for i in range(width):
+        x = int(xs[i]) if i < len(xs) else 0
+        y = int(ys[i]) if i < len(ys) else 0
+        total = x + y + carry
+        columns.append(f"{x}+{y}+{carry}={total:02d}")
+        units.append(str(total % 10))
+        carry = total // 10
+    answer = ("1" if carry else "") + "".join(reversed(units))
+    return " ".join(columns) + f" {ANSWER_MARK}{answer}"
+
+
+def final_answer(response: str) -> str | None:
+    """The answer a response gives: the digits after its last '>', or None if there are none.
+
+    Exact: surrounding spaces are ignored, anything else (no mark, no digits, letters, more
+    than MAX_ANSWER_CHARS digits) means the response gave no answer.
+    """
+    head, mark, tail = response.rpartition(ANSWER_MARK)
+    if not mark:
+        return None
+    answer = tail.strip()
+    if not answer or len(answer) > MAX_ANSWER_CHARS or not answer.isascii() or not answer.isdigit():
+        return None
+    return answer
+
+
+def is_correct(response: str, reference: str) -> bool:
+    """The exact checker: the response's final answer equals the reference, as written."""
+    return final_answer(response) == reference
+
+
+def genrm_prompt(prompt: str, response: str, reference: str) -> str:
+    """What the GenRM reads; its judgment continues right after the trailing 'J '."""
+    return f"Q {prompt}\nA {response}\nR {reference}\nJ "
+
+
+def ideal_judgment(response: str, reference: str) -> str:
+    """The judgment the GenRM is trained to write, e.g. "163_ vs 153_ =x==: wrong".
+
+    The answer found in the response and the reference are written left-aligned in fields of
+    MAX_ANSWER_CHARS (padded with '_'; '?' fills the field when there is no answer), then one
+    mark per column ('=' same, 'x' different), then the verdict. Fixed-width fields put every
+    pair of digits to compare at the same distance, which a tiny model learns quickly.
+    """
+    got = final_answer(response)
+    width = max(MAX_ANSWER_CHARS, len(reference))
+    field = (got if got is not None else UNPARSED * width).ljust(width, "_")
+    ref = reference.ljust(width, "_")
+    marks = "".join("=" if g == r else "x" for g, r in zip(field, ref, strict=True))
+    verdict = CORRECT if got == reference else WRONG
+    return f"{field} vs {ref} {marks}: {verdict}"
+
+
+class Judgment(msgspec.Struct, frozen=True):
+    """A parsed GenRM judgment: verdict is None when the text was malformed (score 0)."""
+
+    score: float
+    verdict: str | None
+    malformed: bool
+
+
+def parse_judgment(text: str) -> Judgment:
+    """Read the verdict at the end of a GenRM judgment; never raises.
+
+    Well formed: the text ends (trailing whitespace aside) with ': correct' (score 1) or
+    ': wrong' (score 0). Anything else, e.g. a judgment cut off at its token limit, is
+    malformed: score 0, verdict None.
+    """
+    m = _VERDICT.search(text) if isinstance(text, str) else None
+    if m is None:
+        return Judgment(score=0.0, verdict=None, malformed=True)
+    verdict = m.group(1)
+    return Judgment(score=1.0 if verdict == CORRECT else 0.0, verdict=verdict, malformed=False)
+
+
+class JudgmentTally(msgspec.Struct):
+    """Running counts of parsed judgments, so malformed ones are visible, not silent zeros."""
+
+    judged: int = 0
+    correct: int = 0
+    wrong: int = 0
+    malformed: int = 0
+
+    def add(self, judgment: Judgment) -> Judgment:
+        self.judged += 1
+        if judgment.malformed:
+            self.malformed += 1
+        elif judgment.verdict == CORRECT:
+            self.correct += 1
+        else:
+            self.wrong += 1
+        return judgment
+
+    @property
+    def malformed_rate(self) -> float:
+        return self.malformed / self.judged if self.judged else 0.0

@@ -1,0 +1,712 @@
+"""The torch inference backend (CPU): a pure-torch Qwen2 forward with a preallocated KV cache
+and continuous batching, behind the ``pivot.engine.InferenceEngine`` protocol.
+
+It reads a Hugging Face checkpoint folder itself (config.json + safetensors), so a user's
+local Qwen2 checkpoint and the project's tiny models take the same path, without importing
+transformers. A plain decode loop over a static cache ran ~3x faster than HF ``generate`` on
+a tiny Qwen2 here (reference/platform-notes.md §4), which is why the forward is our own.
+
+Layout: the KV cache holds ``max_running`` slots of ``max_seq_len`` positions per layer.
+Running sequences occupy slots 0..n-1 (a finished or aborted sequence's slot is refilled by
+the last one), so a decode step attends over a plain slice of the cache. Sequences admitted
+in a step are prefilled together (right-padded, causal) and sample their first token in that
+step; the others decode one token. Parameters live in a few fused tensors (q|k|v and
+gate|up per layer) and every checkpoint name is a view into them, which is what
+``load_weights`` copies into.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from pivot.engine import (
+    ContextKind,
+    DuplicateSequence,
+    EngineNotServing,
+    EngineStats,
+    FinishedSequence,
+    FinishReason,
+    NamedTensors,
+    PartialOutput,
+    SamplingParams,
+    SeqId,
+    StepOutput,
+    TokenEvent,
+    as_context_kinds,
+)
+
+_MASK64 = (1 << 64) - 1
+_EMA = 0.1  # weight of the newest step in the mean step latency
+
+
+class Qwen2Spec(msgspec.Struct, frozen=True, kw_only=True):
+    """The parts of a Qwen2 config.json the forward needs."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_config(cls, config: dict, source: str = "config.json") -> Qwen2Spec:
+        """Validate a Qwen2 config dict; unsupported features get an error naming the key."""
+
+        def need(key: str, kind: type = int):
+            if key not in config or config[key] is None:
+                raise ValueError(f"{source}: missing key '{key}'")
+            value = config[key]
+            if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{source}: key '{key}' must be an integer, found {value!r}")
+            return value
+
+        model_type = config.get("model_type")
+        if model_type != "qwen2":
+            raise ValueError(f"{source}: key 'model_type': expected 'qwen2', found {model_type!r}")
+        act = config.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"{source}: key 'hidden_act': only 'silu' is supported, found {act!r}")
+        if config.get("use_sliding_window"):
+            raise ValueError(f"{source}: key 'use_sliding_window': sliding window is not supported")
+        layer_types = config.get("layer_types") or []
+        if any(t != "full_attention" for t in layer_types):
+            raise ValueError(f"{source}: key 'layer_types': only full_attention is supported")
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"{source}: rope type {rope_type!r} is not supported (only default)")
+        # transformers >= 5 keeps rope_theta in rope_parameters; 4.x at the top level
+        theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+        heads = need("num_attention_heads")
+        hidden = need("hidden_size")
+        kv_heads = config.get("num_key_value_heads") or heads
+        if heads % kv_heads:
+            raise ValueError(
+                f"{source}: num_attention_heads ({heads}) must be a multiple of "
+                f"num_key_value_heads ({kv_heads})"
+            )
+        eos = config.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            vocab_size=need("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=need("intermediate_size"),
+            num_hidden_layers=need("num_hidden_layers"),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=config.get("head_dim") or hidden // heads,
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            max_position_embeddings=need("max_position_embeddings"),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            eos_token_ids=eos_ids,
+        )
+
+
+def read_checkpoint(path: str | Path) -> tuple[Qwen2Spec, dict[str, torch.Tensor]]:
+    """The spec and the tensors of a Hugging Face Qwen2 checkpoint folder.
+
+    Reads config.json (eos from generation_config.json when config.json has none) and
+    model.safetensors or the shards listed in model.safetensors.index.json.
+    """
+    folder = Path(path)
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{folder}: no config.json (not a Hugging Face checkpoint folder)")
+    config = json.loads(config_path.read_text())
+    gen_path = folder / "generation_config.json"
+    if config.get("eos_token_id") is None and gen_path.is_file():
+        config["eos_token_id"] = json.loads(gen_path.read_text()).get("eos_token_id")
+    spec = Qwen2Spec.from_config(config, source=str(config_path))
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        tensors.update(load_file(str(folder / name)))
+    return spec, tensors
+
+
+def _seed_at(seed: int, position: int) -> int:
+    """A 63-bit generator seed for one output position of a sequence (splitmix64 mixing)."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+@dataclass
+class _Layer:
+    qkv_w: torch.Tensor
+    qkv_b: torch.Tensor
+    o_w: torch.Tensor
+    gate_up_w: torch.Tensor
+    down_w: torch.Tensor
+    ln_attn: torch.Tensor
+    ln_mlp: torch.Tensor
+
+
+@dataclass
+class _Sequence:
+    seq_id: SeqId
+    prompt_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]
+    sampling: SamplingParams
+    seed: int
+    stop_ids: frozenset[int]
+    cache_len: int = 0  # tokens of this sequence held in its KV slot
+    slot: int = -1
+
+
+@dataclass
+class _Weights:
+    embed: torch.Tensor
+    norm: torch.Tensor
+    lm_head: torch.Tensor
+    layers: list[_Layer]
+    views: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class TorchEngine:
+    """A Qwen2 inference engine on torch (CPU), continuous batching over a static KV cache.
+
+    ``threads`` sets torch's intra-op threads (process-wide: the job pins one per device).
+    ``clock`` (seconds, monotonic) measures step latency; without one latencies read 0.
+    ``seed`` seeds sequences added without one.
+    """
+
+    def __init__(
+        self,
+        spec: Qwen2Spec,
+        tensors: NamedTensors | None = None,
+        *,
+        max_running: int = 64,
+        max_seq_len: int | None = None,
+        eos_token_ids: Iterable[int] | None = None,
+        threads: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        clock: Callable[[], float] | None = None,
+        seed: int = 0,
+        weights_version: int = 0,
+    ) -> None:
+        if max_running < 1:
+            raise ValueError(f"max_running must be >= 1, got {max_running}")
+        if threads is not None:
+            if threads < 1:
+                raise ValueError(f"threads must be >= 1, got {threads}")
+            torch.set_num_threads(threads)
+        self.spec = spec
+        self.max_running = max_running
+        self.max_seq_len = max_seq_len or spec.max_position_embeddings
+        if not 2 <= self.max_seq_len <= spec.max_position_embeddings:
+            raise ValueError(
+                f"max_seq_len must be in 2..{spec.max_position_embeddings} "
+                f"(max_position_embeddings), got {self.max_seq_len}"
+            )
+        self.eos_token_ids = frozenset(spec.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        self.dtype = dtype
+        self._clock = clock
+        self._seed = seed
+        self._seeded = 0
+        self._gen = torch.Generator()
+        self._waiting: deque[_Sequence] = deque()
+        self._running: list[_Sequence] = []
+        self._steps = 0
+        self._generated = 0
+        self._last_step_s = 0.0
+        self._mean_step_s = 0.0
+        self.weights_version = weights_version
+        self._released: set[ContextKind] = set()
+        self._loaded: set[str] = set()
+        self._weights: _Weights | None = self._allocate_weights()
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+        self._allocate_kv()
+        self._cos, self._sin = self._rope_tables()
+        if tensors is not None:
+            self.load_weights(tensors, weights_version)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, **kwargs) -> TorchEngine:
+        """An engine serving the Hugging Face Qwen2 checkpoint in folder ``path``."""
+        spec, tensors = read_checkpoint(path)
+        return cls(spec, tensors, **kwargs)
+
+    # ---- context: weights and KV cache -------------------------------------------------------
+
+    def _allocate_weights(self) -> _Weights:
+        s = self.spec
+        q, kv = s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
+
+        def zeros(*shape: int) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=self.dtype)
+
+        embed = zeros(s.vocab_size, s.hidden_size)
+        lm_head = embed if s.tie_word_embeddings else zeros(s.vocab_size, s.hidden_size)
+        w = _Weights(embed=embed, norm=zeros(s.hidden_size), lm_head=lm_head, layers=[])
+        w.views["model.embed_tokens.weight"] = embed
+        w.views["model.norm.weight"] = w.norm
+        if not s.tie_word_embeddings:
+            w.views["lm_head.weight"] = lm_head
+        for i in range(s.num_hidden_layers):
+            layer = _Layer(
+                qkv_w=zeros(q + 2 * kv, s.hidden_size),
+                qkv_b=zeros(q + 2 * kv),
+                o_w=zeros(s.hidden_size, q),
+                gate_up_w=zeros(2 * s.intermediate_size, s.hidden_size),
+                down_w=zeros(s.hidden_size, s.intermediate_size),
+                ln_attn=zeros(s.hidden_size),
+                ln_mlp=zeros(s.hidden_size),
+            )
+            w.layers.append(layer)
+            p = f"model.layers.{i}."
+            bounds = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}
+            for name, (lo, hi) in bounds.items():
+                w.views[f"{p}self_attn.{name}_proj.weight"] = layer.qkv_w[lo:hi]
+                w.views[f"{p}self_attn.{name}_proj.bias"] = layer.qkv_b[lo:hi]
+            w.views[f"{p}self_attn.o_proj.weight"] = layer.o_w
+            w.views[f"{p}mlp.gate_proj.weight"] = layer.gate_up_w[: s.intermediate_size]
+            w.views[f"{p}mlp.up_proj.weight"] = layer.gate_up_w[s.intermediate_size :]
+            w.views[f"{p}mlp.down_proj.weight"] = layer.down_w
+            w.views[f"{p}input_layernorm.weight"] = layer.ln_attn
+            w.views[f"{p}post_attention_layernorm.weight"] = layer.ln_mlp
+        return w
+
+    def _allocate_kv(self) -> None:
+        s = self.spec
+        shape = (
+            s.num_hidden_layers,
+            self.max_running,
+            s.num_key_value_heads,
+            self.max_seq_len,
+            s.head_dim,
+        )
+        self._k = torch.zeros(shape, dtype=self.dtype)
+        self._v = torch.zeros(shape, dtype=self.dtype)
+
+    def _rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        d = self.spec.head_dim
+        inv_freq = 1.0 / (self.spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+        freqs = torch.outer(torch.arange(self.max_seq_len, dtype=torch.float), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def parameter_names(self) -> list[str]:
+        """Checkpoint names ``load_weights`` accepts (with tied embeddings, lm_head.weight too)."""
+        names = list(self._weights.views) if self._weights else list(self._allocate_weights().views)
+        if self.spec.tie_word_embeddings:
+            names.append("lm_head.weight")
+        return names
+
+    def load_weights(self, named_tensors: NamedTensors, version: int) -> None:
+        """Copy tensors (checkpoint names, any subset) into the engine's parameters.
+
+        With released weights this allocates them first; serving needs every parameter
+        loaded since. Running sequences keep their KV cache (computed with older weights),
+        as with partial rollout across a version change. Names or shapes that do not fit
+        raise ValueError and nothing is copied.
+        """
+        items = list(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
+        if self._weights is None:
+            self._weights = self._allocate_weights()
+            self._loaded = set()
+            self._released.discard(ContextKind.WEIGHTS)
+        views = self._weights.views
+        plan: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        unknown = []
+        for name, tensor in items:
+            key = name
+            if name == "lm_head.weight" and self.spec.tie_word_embeddings:
+                key = "model.embed_tokens.weight"  # tied: the trainer's state dict has both
+            target = views.get(key)
+            if target is None:
+                unknown.append(name)
+                continue
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError(f"load_weights: '{name}' is a {type(tensor).__name__}, not a tensor")
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(
+                    f"load_weights: '{name}' has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(target.shape)}"
+                )
+            plan.append((key, target, tensor))
+        if unknown:
+            raise ValueError(
+                f"load_weights: unknown parameter names {unknown[:5]}"
+                f"{' ...' if len(unknown) > 5 else ''} (expected Hugging Face Qwen2 names "
+                f"such as 'model.layers.0.self_attn.q_proj.weight')"
+            )
+        with torch.no_grad():
+            for key, target, tensor in plan:
+                target.copy_(tensor.detach())
+                self._loaded.add(key)
+        self.weights_version = version
+
+    def release(self, kinds: Iterable[ContextKind | str]) -> None:
+        """Free context: transient drops the KV cache, weights drop the parameters, stateful
+        has nothing to offload here (no CUDA graphs on CPU). Persistent context is never
+        released: close the engine instead. Releasing transient or weights context needs an
+        idle engine: abort its sequences first."""
+        wanted = as_context_kinds(kinds)
+        if ContextKind.PERSISTENT in wanted:
+            raise ValueError("persistent context is kept across shifts; it cannot be released")
+        held = len(self._running) + len(self._waiting)
+        if held and wanted & {ContextKind.TRANSIENT, ContextKind.WEIGHTS}:
+            raise EngineNotServing(
+                f"cannot release {sorted(k.value for k in wanted)} while the engine holds "
+                f"{held} sequences; abort them first"
+            )
+        if ContextKind.TRANSIENT in wanted:
+            self._k = self._v = None
+        if ContextKind.WEIGHTS in wanted:
+            self._weights = None
+            self._loaded = set()
+        self._released |= wanted
+
+    def resume(self, kinds: Iterable[ContextKind | str]) -> None:
+        """Take context back: transient reallocates an empty KV cache; weights allocates
+        parameters that must all be loaded (load_weights) before the engine serves again."""
+        wanted = as_context_kinds(kinds)
+        if ContextKind.TRANSIENT in wanted and self._k is None:
+            self._allocate_kv()
+        if ContextKind.WEIGHTS in wanted and self._weights is None:
+            self._weights = self._allocate_weights()
+            self._loaded = set()
+        self._released -= wanted
+
+    def _check_serving(self, action: str) -> None:
+        if self._k is None:
+            raise EngineNotServing(
+                f"cannot {action}: transient context (KV cache) is released; resume(['transient'])"
+            )
+        if self._weights is None:
+            raise EngineNotServing(
+                f"cannot {action}: weights are released; load_weights(...) or resume(['weights']) "
+                f"then load_weights(...)"
+            )
+        missing = set(self._weights.views) - self._loaded
+        if missing:
+            raise EngineNotServing(
+                f"cannot {action}: {len(missing)} of {len(self._weights.views)} parameters not "
+                f"loaded since weights were resumed (e.g. {sorted(missing)[0]!r}); call load_weights"
+            )
+
+    # ---- sequences ----------------------------------------------------------------------------
+
+    def add(
+        self,
+        seq_id: SeqId,
+        prompt_ids: Sequence[int],
+        generated_ids: Sequence[int] = (),
+        sampling: SamplingParams | None = None,
+        generated_logprobs: Sequence[float] | None = None,
+    ) -> None:
+        self._check_serving("add a sequence")
+        sampling = sampling or SamplingParams()
+        if self._holds(seq_id):
+            raise DuplicateSequence(f"sequence {seq_id!r} is already in this engine")
+        prompt, generated = [int(t) for t in prompt_ids], [int(t) for t in generated_ids]
+        if not prompt:
+            raise ValueError(f"sequence {seq_id!r}: empty prompt")
+        bad = [t for t in prompt + generated if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise ValueError(
+                f"sequence {seq_id!r}: token ids {bad[:5]} outside the vocabulary "
+                f"(0..{self.spec.vocab_size - 1})"
+            )
+        logprobs = [float(x) for x in generated_logprobs] if generated_logprobs is not None else []
+        if len(logprobs) != len(generated):
+            raise ValueError(
+                f"sequence {seq_id!r}: {len(generated)} generated_ids need as many "
+                f"generated_logprobs, got {len(logprobs)}"
+            )
+        context = len(prompt) + len(generated)
+        if context > self.max_seq_len:
+            raise ValueError(
+                f"sequence {seq_id!r}: prompt + generated is {context} tokens, more than "
+                f"this engine's max_seq_len {self.max_seq_len}"
+            )
+        if len(generated) >= sampling.max_new_tokens:
+            raise ValueError(
+                f"sequence {seq_id!r}: already has {len(generated)} generated tokens, "
+                f"max_new_tokens is {sampling.max_new_tokens}"
+            )
+        stop_ids = frozenset(sampling.stop_token_ids) | (
+            frozenset() if sampling.ignore_eos else self.eos_token_ids
+        )
+        if generated and generated[-1] in stop_ids:
+            raise ValueError(f"sequence {seq_id!r}: generated_ids already end with a stop token")
+        seed = sampling.seed
+        if seed is None:
+            seed = _seed_at(self._seed, self._seeded) >> 1
+            self._seeded += 1
+        self._waiting.append(
+            _Sequence(seq_id, prompt, generated, logprobs, sampling, seed, stop_ids)
+        )
+
+    def _holds(self, seq_id: SeqId) -> bool:
+        return any(s.seq_id == seq_id for s in self._running) or any(
+            s.seq_id == seq_id for s in self._waiting
+        )
+
+    def has_unfinished(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    def abort(self, seq_ids: Iterable[SeqId] | None = None) -> list[PartialOutput]:
+        """Remove sequences (all when None) and return their outputs so far, waiting ones
+        first in queue order, then running ones. Ids not held here are skipped."""
+        if seq_ids is None:
+            wanted = None
+        else:
+            wanted = set(seq_ids)
+        out: list[PartialOutput] = []
+        kept: deque[_Sequence] = deque()
+        for s in self._waiting:
+            if wanted is None or s.seq_id in wanted:
+                out.append(PartialOutput(s.seq_id, tuple(s.output_ids), tuple(s.logprobs)))
+            else:
+                kept.append(s)
+        self._waiting = kept
+        leaving = [s for s in self._running if wanted is None or s.seq_id in wanted]
+        for s in leaving:
+            out.append(PartialOutput(s.seq_id, tuple(s.output_ids), tuple(s.logprobs)))
+        self._free(leaving)
+        return out
+
+    def _free(self, leaving: list[_Sequence]) -> None:
+        """Take sequences out of their slots; the last running sequence fills each hole."""
+        for s in sorted(leaving, key=lambda s: s.slot, reverse=True):
+            last = self._running.pop()
+            if last is not s:
+                hole = s.slot
+                n = last.cache_len
+                if self._k is not None:
+                    self._k[:, hole, :, :n] = self._k[:, last.slot, :, :n]
+                    self._v[:, hole, :, :n] = self._v[:, last.slot, :, :n]
+                last.slot = hole
+                self._running[hole] = last
+            s.slot = -1
+
+    # ---- the step -----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> StepOutput:
+        self._check_serving("step")
+        start = self._clock() if self._clock else 0.0
+        decoding = list(self._running)
+        admitted: list[_Sequence] = []
+        while self._waiting and len(self._running) < self.max_running:
+            s = self._waiting.popleft()
+            s.slot = len(self._running)
+            self._running.append(s)
+            admitted.append(s)
+        if not decoding and not admitted:
+            return StepOutput(step=self._steps)
+        logits = []
+        if decoding:
+            logits.append(self._decode(decoding))
+        prefill_tokens = 0
+        if admitted:
+            logits.append(self._prefill(admitted))
+            prefill_tokens = sum(s.cache_len for s in admitted)
+        batch = decoding + admitted
+        tokens, logprobs = self._sample(batch, torch.cat(logits) if len(logits) > 1 else logits[0])
+        events, finished, leaving = [], [], []
+        for s, tok, lp in zip(batch, tokens.tolist(), logprobs.tolist(), strict=True):
+            s.output_ids.append(tok)
+            s.logprobs.append(lp)
+            events.append(TokenEvent(s.seq_id, tok, lp))
+            reason = None
+            if tok in s.stop_ids:
+                reason = FinishReason.STOP
+            elif len(s.output_ids) >= s.sampling.max_new_tokens or s.cache_len >= self.max_seq_len:
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                finished.append(
+                    FinishedSequence(s.seq_id, tuple(s.output_ids), tuple(s.logprobs), reason)
+                )
+                leaving.append(s)
+        self._free(leaving)
+        self._steps += 1
+        self._generated += len(batch)
+        if self._clock:
+            self._last_step_s = self._clock() - start
+            self._mean_step_s = (
+                self._last_step_s
+                if self._steps == 1
+                else (1 - _EMA) * self._mean_step_s + _EMA * self._last_step_s
+            )
+        return StepOutput(
+            step=self._steps,
+            events=tuple(events),
+            finished=tuple(finished),
+            prefilled=len(admitted),
+            prefill_tokens=prefill_tokens,
+        )
+
+    def _prefill(self, seqs: list[_Sequence]) -> torch.Tensor:
+        """Run prompt + generated of each sequence into its slot; logits of each last token."""
+        contexts = [s.prompt_ids + s.output_ids for s in seqs]
+        lengths = [len(c) for c in contexts]
+        width = max(lengths)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        for i, c in enumerate(contexts):
+            ids[i, : len(c)] = torch.tensor(c, dtype=torch.long)
+        slots = torch.tensor([s.slot for s in seqs], dtype=torch.long)
+        cos, sin = self._cos[:width][None, None], self._sin[:width][None, None]
+        w = self._weights
+        h = F.embedding(ids, w.embed)
+        for i, layer in enumerate(w.layers):
+            q, k, v = self._qkv(h, layer, cos, sin)
+            # right padding writes junk past each length; decoding masks it and overwrites it
+            self._k[i, slots, :, :width] = k
+            self._v[i, slots, :, :width] = v
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            h = self._finish_layer(h, attn, layer)
+        last = torch.tensor(lengths) - 1
+        h = h[torch.arange(len(seqs)), last]
+        for s, n in zip(seqs, lengths, strict=True):
+            s.cache_len = n
+        return self._logits(h)
+
+    def _decode(self, seqs: list[_Sequence]) -> torch.Tensor:
+        """One token for each running sequence (slots 0..n-1), attending over its cache."""
+        n = len(seqs)
+        ids = torch.tensor([[s.output_ids[-1]] for s in seqs], dtype=torch.long)
+        pos = torch.tensor([s.cache_len for s in seqs], dtype=torch.long)
+        width = int(pos.max()) + 1
+        cos, sin = self._cos[pos][:, None, None], self._sin[pos][:, None, None]
+        rows = torch.arange(n)
+        mask = (torch.arange(width)[None, :] <= pos[:, None])[:, None, None, :]
+        w = self._weights
+        h = F.embedding(ids, w.embed)
+        for i, layer in enumerate(w.layers):
+            q, k, v = self._qkv(h, layer, cos, sin)
+            self._k[i, rows, :, pos] = k[:, :, 0]
+            self._v[i, rows, :, pos] = v[:, :, 0]
+            keys, values = self._k[i, :n, :, :width], self._v[i, :n, :, :width]
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+            h = self._finish_layer(h, attn, layer)
+        for s in seqs:
+            s.cache_len += 1
+        return self._logits(h[:, -1])
+
+    def _qkv(
+        self, h: torch.Tensor, layer: _Layer, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        s = self.spec
+        b, t, _ = h.shape
+        x = F.rms_norm(h, (s.hidden_size,), layer.ln_attn, s.rms_norm_eps)
+        qkv = F.linear(x, layer.qkv_w, layer.qkv_b)
+        qd, kd = s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
+        q = qkv[..., :qd].view(b, t, s.num_attention_heads, s.head_dim).transpose(1, 2)
+        k = qkv[..., qd : qd + kd].view(b, t, s.num_key_value_heads, s.head_dim).transpose(1, 2)
+        v = qkv[..., qd + kd :].view(b, t, s.num_key_value_heads, s.head_dim).transpose(1, 2)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+
+    def _finish_layer(self, h: torch.Tensor, attn: torch.Tensor, layer: _Layer) -> torch.Tensor:
+        s = self.spec
+        b, _, t, _ = attn.shape
+        h = h + F.linear(attn.transpose(1, 2).reshape(b, t, -1), layer.o_w)
+        x = F.rms_norm(h, (s.hidden_size,), layer.ln_mlp, s.rms_norm_eps)
+        gate, up = F.linear(x, layer.gate_up_w).chunk(2, dim=-1)
+        return h + F.linear(F.silu(gate) * up, layer.down_w)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        s, w = self.spec, self._weights
+        return F.linear(F.rms_norm(h, (s.hidden_size,), w.norm, s.rms_norm_eps), w.lm_head).float()
+
+    def _sample(self, seqs: list[_Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Next token and its logprob per row: greedy rows take the argmax; sampled rows take
+        the Gumbel-max over top-p-truncated log-probabilities, with noise drawn from a
+        generator seeded by (sequence seed, output position)."""
+        temps = torch.tensor([s.sampling.temperature for s in seqs])
+        greedy = temps == 0
+        logp = torch.log_softmax(logits / torch.where(greedy, 1.0, temps)[:, None], dim=-1)
+        tokens = logp.argmax(dim=-1)
+        sampled = [i for i, s in enumerate(seqs) if s.sampling.temperature > 0]
+        if sampled:
+            rows = torch.tensor(sampled)
+            scores = logp[rows]
+            top_p = torch.tensor([seqs[i].sampling.top_p for i in sampled])
+            if bool((top_p < 1.0).any()):
+                probs, order = scores.exp().sort(dim=-1, descending=True)
+                before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above
+                drop_sorted = before >= top_p[:, None]
+                drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+                scores = scores.masked_fill(drop, -math.inf)
+            noise = torch.empty_like(scores)
+            for j, i in enumerate(sampled):
+                s = seqs[i]
+                self._gen.manual_seed(_seed_at(s.seed, len(s.output_ids)))
+                torch.rand(scores.shape[-1], generator=self._gen, out=noise[j])
+            gumbel = -torch.log(-torch.log(noise.clamp_min(1e-20)))
+            tokens[rows] = (scores + gumbel).argmax(dim=-1)
+        chosen = logp.gather(1, tokens[:, None])[:, 0]
+        return tokens, chosen
+
+    # ---- stats --------------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            running=len(self._running),
+            waiting=len(self._waiting),
+            kv_tokens=sum(s.cache_len for s in self._running),
+            kv_capacity_tokens=self.max_running * self.max_seq_len,
+            max_running=self.max_running,
+            steps=self._steps,
+            generated_tokens=self._generated,
+            last_step_s=self._last_step_s,
+            mean_step_s=self._mean_step_s,
+            weights_version=self.weights_version,
+            released=tuple(sorted(self._released)),
+        )
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def generate(
+    engine: TorchEngine,
+    prompts: Sequence[Sequence[int]],
+    sampling: SamplingParams | Sequence[SamplingParams],
+) -> list[FinishedSequence]:
+    """Run prompts to completion on an idle engine; outputs in prompt order (a convenience for
+    scripts and tests; the job drives ``step`` itself)."""
+    params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
+    if len(params) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+    if engine.has_unfinished():
+        raise EngineNotServing("generate() needs an idle engine")
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        engine.add(i, p, sampling=sp)
+    done: dict[SeqId, FinishedSequence] = {}
+    while engine.has_unfinished():
+        for f in engine.step().finished:
+            done[f.seq_id] = f
+    return [done[i] for i in range(len(prompts))]
