@@ -186,6 +186,9 @@ class RoleAgent(Actor):
         self.pace_steps = pace_steps
         self._engine_lock = asyncio.Lock()
         self._report_lock = asyncio.Lock()
+        # one role change at a time: a repeated Acquire (a restarted Controller) waits for the
+        # one in flight and then finds its replica held
+        self._shift_lock = asyncio.Lock()
         self._work = asyncio.Event()
         self._unreported: list[Completion] = []
         self._held: set[int] = set()  # sequences in the engine: assigned, not finished/aborted
@@ -288,6 +291,10 @@ class RoleAgent(Actor):
 
     @handles
     async def release(self, msg: Release) -> AgentState:
+        async with self._shift_lock:
+            return await self._release(msg)
+
+    async def _release(self, msg: Release) -> AgentState:
         if msg.replica != self.replica or self.role is Role.FREE:
             return self.state()
         async with self._engine_lock:
@@ -312,6 +319,10 @@ class RoleAgent(Actor):
 
     @handles
     async def acquire(self, msg: Acquire) -> AgentState:
+        async with self._shift_lock:
+            return await self._acquire(msg)
+
+    async def _acquire(self, msg: Acquire) -> AgentState:
         if self.role is msg.role and self.replica == msg.replica:
             return self.state()
         if self.role is not Role.FREE:
@@ -383,7 +394,8 @@ class RoleAgent(Actor):
         while True:
             engine = self.engine
             busy = engine is not None and engine.has_unfinished()
-            if not busy and not self._unreported:
+            # (nothing is unreported without a scheduler: Release refuses to drop any)
+            if not busy and (not self._unreported or self.scheduler is None):
                 self._work.clear()
                 await self._work.wait()
                 continue
@@ -457,21 +469,60 @@ def torch_agent(
     name: str,
     *,
     directory: dict[str, Any],
-    model: str,
+    model: str | None = None,
     role: str,
-    scheduler: str,
+    scheduler: str | None = None,
     max_running: int = 32,
     threads: int = 1,
     seed: int = 0,
+    checkpoints: dict[str, str] | None = None,
+    stores: dict[str, str] | None = None,
+    device: int | None = None,
+    replica: str | None = None,
+    devices: list[int] | None = None,
 ) -> RoleAgent:
-    """Factory for a child process: a RoleAgent serving the HF checkpoint ``model`` on CPU."""
+    """Factory for a child process: a RoleAgent serving HF checkpoints on CPU.
+
+    ``model`` is the checkpoint of ``role``. For an agent that may shift, ``checkpoints``
+    names one checkpoint folder per inference role (an engine is built for each); on
+    Acquire the role's weights are read from the GPS host store named in ``stores`` for
+    that role, else from its checkpoint folder again.
+    """
     import time
 
-    from pivot.torch_engine import TorchEngine
+    from pivot.torch_engine import TorchEngine, read_checkpoint
 
-    engine = TorchEngine.from_pretrained(
-        model, max_running=max_running, threads=threads, seed=seed, clock=time.perf_counter
-    )
+    folders = dict(checkpoints or {})
+    if model is not None:
+        folders.setdefault(role, model)
+    engines: dict[str, InferenceEngine] = {}
+    weights: dict[str, WeightLoader] = {}
+    for held_role, folder in folders.items():
+        spec, tensors = read_checkpoint(folder)
+        engines[held_role] = TorchEngine(
+            spec,
+            tensors,
+            max_running=max_running,
+            threads=threads,
+            seed=seed,
+            clock=time.perf_counter,
+        )
+        store = (stores or {}).get(held_role)
+        weights[held_role] = (
+            StoreWeights(store, like=tensors, reader_name=name)
+            if store
+            else CheckpointWeights(folder)
+        )
     secret = os.environ.get("PIVOT_SECRET")
     bus = Bus.nng(Directory.from_dict(directory), rl_messages(), secret=secret)
-    return RoleAgent(name, bus, engine=engine, role=role, scheduler=scheduler)
+    return RoleAgent(
+        name,
+        bus,
+        role=role,
+        scheduler=scheduler,
+        replica=replica,
+        engines=engines,
+        weights=weights,
+        device=device,
+        devices=devices,
+    )

@@ -16,6 +16,9 @@
   so that planning starts from a consistent allocation. The allocation is what the agents
   hold: the Controller needs no initial allocation in its config.
 * Directory: device -> agent actor, role -> scheduler actor, the trainer's name.
+* Trainer: it lends its pool on ``OffloadTrainer`` and takes it back on ``ReloadTrainer``
+  (``pivot.actors.trainer_messages``); ``TrainerPhaseChanged(ready)`` from the driver says
+  a batch is ready (see ``trainer_phase`` for how its state maps to the planner's phase).
 
 It publishes ``ShiftStarted``, ``ShiftFinished`` and ``AllocationChanged`` on ``shift``.
 Requests it serves: ``QueryAllocation``, ``TrainerPhaseChanged``; any other message gets an
@@ -23,9 +26,18 @@ error reply and the Controller keeps running.
 
     Controller(name, bus, *, spec, agents, schedulers, journal, cost_models, models=None,
                trainer=None, settings=None, routers=None, timer=None)
+        .recovered: asyncio.Event   set once recovery is done and planning runs
+        .allocation, .shift (the ShiftTransaction in flight), .shifts_done, .last_decision
+        await .plan_once() -> Decision | None    one monitor + planner + executor round
+        await .execute(plan, reason) -> ShiftTransaction
+        await .describe() -> (agent views, scheduler views, trainer holds its pool)
     ControllerSettings (ConfigStruct): interval_s, command_timeout_s, retry_backoff_s,
-               give_up_after, recovery_attempts, planner (PlannerSettings)
-    open_journal(path) -> Journal of shift records
+               give_up_after, recovery_attempts, release_kinds, planner (PlannerSettings)
+    open_journal(path, *, fsync=True) -> Journal of shift records
+
+``models`` names the model each inference role runs (sent in Acquire; an agent that knows
+another model for the role refuses). ``timer`` times the planner's phases (say,
+``time.perf_counter``); shift durations come from the bus clock.
 """
 
 from __future__ import annotations
@@ -34,7 +46,7 @@ import asyncio
 import contextlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -47,12 +59,9 @@ from pivot.actors.shift_messages import (
     AllocationReport,
     CutRouting,
     Describe,
-    LendDevices,
     MigrateSequences,
     QueryAllocation,
     QueryLoad,
-    QueryTrainer,
-    ReclaimDevices,
     Register,
     Release,
     RemoveReplica,
@@ -61,6 +70,11 @@ from pivot.actors.shift_messages import (
     ShiftFinished,
     ShiftStarted,
     TrainerPhaseChanged,
+)
+from pivot.actors.trainer_messages import (
+    OffloadTrainer,
+    QueryTrainer,
+    ReloadTrainer,
     TrainerStatus,
 )
 from pivot.bus import Actor, Bus, BusError, handles
@@ -99,10 +113,14 @@ LOAD_TOPIC = "load"
 class ControllerSettings(ConfigStruct, kw_only=True):
     interval_s: Seconds = 1.0  # planning period
     command_timeout_s: Seconds = 30.0  # one shift command (an Acquire loads weights)
-    retry_backoff_s: Seconds = 0.5  # between attempts of a phase's failed commands
+    retry_backoff_s: Seconds = 0.5  # before a phase's failed commands go again; doubles, to 16x
     give_up_after: Annotated[int, msgspec.Meta(ge=1)] = 3  # attempts before a wake is given up
     recovery_attempts: Annotated[int, msgspec.Meta(ge=1)] = 5  # per reconciliation stage
-    release_kinds: tuple[str, ...] = ("transient", "weights")
+    # what a device drops on shift-down (persistent context always stays)
+    release_kinds: tuple[Literal["transient", "weights", "stateful"], ...] = (
+        "transient",
+        "weights",
+    )
     planner: PlannerSettings = PlannerSettings()
 
 
@@ -156,6 +174,7 @@ class Controller(Actor):
         self._woken_at: dict[str, float] = {}
         self._itl: dict[str, float] = {}
         self._kick = asyncio.Event()
+        self._trainer_ready = False
         self._loads = None
 
     # --- requests served ------------------------------------------------------------------
@@ -175,8 +194,19 @@ class Controller(Actor):
     def trainer_phase_changed(self, msg: TrainerPhaseChanged) -> Ack:
         phase = TrainerPhase(msg.phase)  # a bad phase is an error reply naming it
         self.log.info("trainer phase changed", phase=phase.value)
+        self._trainer_ready = phase is TrainerPhase.READY
         self._kick.set()
         return Ack()
+
+    def trainer_phase(self, status: TrainerStatus) -> TrainerPhase:
+        """The planner's view of the trainer: training only while it holds its pool; ready
+        when told a batch is ready, or when it trains without its pool (a batch arrived
+        while it was offloaded); waiting otherwise."""
+        holds = any(r.role is Role.TRAINING for r in self.allocation.replicas.values())
+        if status.state == "training":
+            self._trainer_ready = False  # the batch it was ready for has arrived
+            return TrainerPhase.TRAINING if holds else TrainerPhase.READY
+        return TrainerPhase.READY if self._trainer_ready else TrainerPhase.WAITING
 
     def _replica_moves(self) -> list[Move]:
         return [
@@ -218,28 +248,22 @@ class Controller(Actor):
             for pub in self._loads.drain():
                 if isinstance(pub.message, ReplicaLoad) and pub.message.itl_s > 0:
                     self._itl[pub.message.replica] = pub.message.itl_s
+        timeout = self.settings.command_timeout_s
         try:
             reports = {
-                role: await self.request(
-                    name,
-                    QueryLoad(),
-                    expect=RoleLoadReport,
-                    timeout=self.settings.command_timeout_s,
-                )
+                role: await self.request(name, QueryLoad(), expect=RoleLoadReport, timeout=timeout)
                 for role, name in self.schedulers.items()
             }
-            phase = TrainerPhase.WAITING
-            if self.trainer is not None:
-                status = await self.request(
-                    self.trainer,
-                    QueryTrainer(),
-                    expect=TrainerStatus,
-                    timeout=self.settings.command_timeout_s,
-                )
-                phase = TrainerPhase(status.phase)
-        except (BusError, ValueError) as exc:
+        except BusError as exc:
             self.log.warning("no snapshot this tick", error=repr(exc))
             return None
+        phase = TrainerPhase.WAITING
+        if self.trainer is not None:
+            status = await self._ask(self.trainer, QueryTrainer(), TrainerStatus, timeout)
+            if status is not None:
+                phase = self.trainer_phase(status)
+            elif any(r.role is Role.TRAINING for r in self.allocation.replicas.values()):
+                phase = TrainerPhase.TRAINING  # silent: leave its pool where it is
         running = {r.replica: r for report in reports.values() for r in report.replicas}
         replicas = []
         for replica in sorted(self.allocation.replicas.values(), key=lambda r: r.devices):
@@ -306,9 +330,12 @@ class Controller(Actor):
                 for command, ok in zip(pending, results, strict=True):
                     txn.confirm(command, ok, give_up=give_up)
                 if txn.pending():
-                    await self.clock.sleep(self.settings.retry_backoff_s)
+                    await self.clock.sleep(self._backoff(attempt))
             self.journal.append(txn.advance(self.clock.now()))
         await self._finish(txn)
+
+    def _backoff(self, attempt: int) -> float:
+        return self.settings.retry_backoff_s * 2 ** min(attempt - 1, 4)
 
     async def _finish(self, txn: ShiftTransaction) -> None:
         now = self.clock.now()
@@ -394,21 +421,15 @@ class Controller(Actor):
                         expect=AgentState,
                         timeout=timeout,
                     )
-                case LendPool(devices):
+                case LendPool():
                     if self.trainer is not None:
                         await self.request(
-                            self.trainer,
-                            LendDevices(devices=list(devices), txn=self._txn_id()),
-                            expect=TrainerStatus,
-                            timeout=timeout,
+                            self.trainer, OffloadTrainer(), expect=TrainerStatus, timeout=timeout
                         )
-                case ReclaimPool(devices):
+                case ReclaimPool():
                     if self.trainer is not None:
                         await self.request(
-                            self.trainer,
-                            ReclaimDevices(devices=list(devices), txn=self._txn_id()),
-                            expect=TrainerStatus,
-                            timeout=timeout,
+                            self.trainer, ReloadTrainer(), expect=TrainerStatus, timeout=timeout
                         )
                 case Rebalance(role, migrations):
                     await self.request(
@@ -420,9 +441,6 @@ class Controller(Actor):
             self.log.warning("shift command failed", command=repr(command), error=repr(exc))
             return False
         return True
-
-    def _txn_id(self) -> int:
-        return self.shift.txn if self.shift is not None else 0
 
     # --- recovery ---------------------------------------------------------------------------
 
@@ -464,7 +482,7 @@ class Controller(Actor):
                 self.log.warning("recovery commands failed", commands=[repr(c) for c in left])
                 return False
             if left:
-                await self.clock.sleep(self.settings.retry_backoff_s)
+                await self.clock.sleep(self._backoff(attempt))
         return True
 
     async def describe(
@@ -508,7 +526,7 @@ class Controller(Actor):
         holds = None
         if self.trainer is not None:
             status = await self._ask(self.trainer, QueryTrainer(), TrainerStatus, timeout)
-            holds = None if status is None else status.holds_pool
+            holds = None if status is None else status.state != "offloaded"
         return agents, schedulers, holds
 
     async def _ask(self, to: str, msg: msgspec.Struct, expect: type, timeout: float):  # noqa: ANN202

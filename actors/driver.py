@@ -1,11 +1,11 @@
-"""Driver: the RL loop's actor. Each step it draws prompts from the task, submits
-prompts x samples sequences to the rollout scheduler, streams every finished response to the
-reward scheduler as a GenRM prompt the moment it arrives, parses each judgment into a score,
-and reports the step once every sequence is scored.
+"""Driver: the RL loop's actor, the same for a real job and a simulated one.
 
-Without a reward scheduler the task's exact checker scores responses instead (a rule-based
-reward). The exact checker is computed either way, so a step report also says how often the
-GenRM agreed with it.
+Each step it takes prompts x samples sequences from its ``Source``, submits them to the
+rollout scheduler, streams every finished response to the reward scheduler as a GenRM
+sequence the moment it arrives (so judging overlaps rollout's long tail), turns each
+judgment into a score, and once the whole batch is scored asks the trainer for a step; the
+new policy version then tags the next step's sequences. Without a GenRM the source's exact
+checker scores responses; without a trainer the policy stays fixed.
 """
 
 from __future__ import annotations
@@ -22,45 +22,30 @@ from pivot.actors.messages import (
     QueryStatus,
     SchedulerStatus,
     SubmitSequences,
-    Work,
 )
+from pivot.actors.sources import Sample, Source
 from pivot.bus import Actor, Bus, handles
-from pivot.engine import SamplingParams
-from pivot.job import JobConfig
-from pivot.task import (
-    JudgmentTally,
-    Problem,
-    genrm_prompt,
-    is_correct,
-    make_problems,
-    parse_judgment,
-)
-from pivot.tokenizer import TextCodec
 
 
 class StepReport(msgspec.Struct, frozen=True, kw_only=True):
     step: int
+    policy_version: int  # of the sequences of this step
     samples: int
     reward_mean: float  # what training sees: GenRM scores, or exact checks without a GenRM
-    accuracy: float  # the exact checker, for reference
+    accuracy: float | None  # the exact checker, for reference (None: the source has none)
     genrm_agreement: float | None  # share of judgments equal to the exact check
     malformed_judgments: int
     response_tokens: int
     judgment_tokens: int
-    seconds: float
+    started_s: float  # on the driver's clock
+    rollout_s: float  # until the last response
+    seconds: float  # until the batch was scored (and trained, with a trainer)
+    train_s: float
     samples_per_s: float
     tokens_per_s: float
     rollout_by_replica: dict[str, int]
     reward_by_replica: dict[str, int]
-
-
-class _Sample(msgspec.Struct, kw_only=True):
-    problem: Problem
-    prompt_ids: list[int]
-    response: Completion | None = None
-    judgment: Completion | None = None
-    correct: bool = False
-    score: float | None = None
+    train: dict | None = None  # the trainer's statistics of this step
 
 
 class Driver(Actor):
@@ -69,29 +54,38 @@ class Driver(Actor):
         name: str,
         bus: Bus,
         *,
-        job: JobConfig,
-        codec: TextCodec,
+        source: Source,
+        steps: int,
         rollout_scheduler: str,
         reward_scheduler: str | None = None,
+        trainer: str | None = None,
         on_step: Callable[[StepReport], None] | None = None,
         replicas: dict[str, int] | None = None,
         startup_timeout: float = 300.0,
         request_timeout: float = 30.0,
+        train_timeout: float = 600.0,
     ) -> None:
         super().__init__(name, bus)
-        self.job = job
-        self.codec = codec
+        if source.judged and reward_scheduler is None:
+            raise ValueError("a judged source needs a reward scheduler")
+        self.source = source
+        self.steps = steps
         self.rollout_scheduler = rollout_scheduler
         self.reward_scheduler = reward_scheduler
+        self.trainer = trainer
         self.on_step = on_step
         self.replicas = replicas or {rollout_scheduler: 1}
         self.startup_timeout = startup_timeout
         self.request_timeout = request_timeout
+        self.train_timeout = train_timeout
+        self.policy_version = 0
+        self._batch_version = 0
         self.reports: list[StepReport] = []
-        self.tally = JudgmentTally()
         self.finished = asyncio.Event()
-        self._samples: dict[int, _Sample] = {}
+        self._samples: dict[int, Sample] = {}
+        self._responses = 0
         self._scored = 0
+        self._last_response_at = 0.0
         self._batch_done = asyncio.Event()
 
     # -- completions from both stages
@@ -108,34 +102,26 @@ class Driver(Actor):
             self._batch_done.set()
         return Ack(count=len(msg.completions))
 
-    def _known(self, completion: Completion) -> _Sample | None:
+    def _known(self, completion: Completion) -> Sample | None:
         sample = self._samples.get(completion.seq_id)
         if sample is None:
             self.log.warning("completion of an unknown sequence", seq_id=completion.seq_id)
         return sample
 
     async def _on_responses(self, completions: list[Completion]) -> None:
-        judge: list[Work] = []
+        judge = []
         for c in completions:
             sample = self._known(c)
             if sample is None or sample.response is not None:
-                continue
+                continue  # a duplicate delivery: the first one counts
             sample.response = c
-            text = self.codec.decode(c.token_ids)
-            sample.correct = is_correct(text, sample.problem.reference)
-            if self.reward_scheduler is None:
-                self._score(sample, float(sample.correct))
-                continue
-            prompt = genrm_prompt(sample.problem.prompt, text, sample.problem.reference)
-            judge.append(
-                Work(
-                    seq_id=c.seq_id,
-                    prompt_ids=self.codec.encode(prompt),
-                    sampling=SamplingParams(
-                        max_new_tokens=self.job.reward.max_new_tokens, temperature=0.0
-                    ),
-                )
-            )
+            self._responses += 1
+            self._last_response_at = self.clock.now()
+            sample.correct = self.source.check(sample)
+            if self.source.judged:
+                judge.append(self.source.judge(sample))
+            else:
+                self._score(sample)
         if judge:
             await self.request(
                 self.reward_scheduler, SubmitSequences(sequences=judge), timeout=self.request_timeout
@@ -147,12 +133,11 @@ class Driver(Actor):
             if sample is None or sample.judgment is not None:
                 continue
             sample.judgment = c
-            judgment = self.tally.add(parse_judgment(self.codec.decode(c.token_ids)))
-            self._score(sample, judgment.score)
+            self._score(sample)
 
-    def _score(self, sample: _Sample, score: float) -> None:
+    def _score(self, sample: Sample) -> None:
         if sample.score is None:
-            sample.score = score
+            sample.score = self.source.score(sample)
             self._scored += 1
 
     # -- the loop
@@ -174,53 +159,49 @@ class Driver(Actor):
                     )
                 await self.clock.sleep(0.1)
 
-    def _new_batch(self, step: int) -> list[Work]:
-        r = self.job.rollout
-        problems = make_problems(self.job.seed * 7919 + step, r.prompts_per_step)
-        works = []
-        for i, problem in enumerate(problems):
-            prompt_ids = self.codec.encode(problem.prompt)
-            for j in range(r.samples_per_prompt):
-                seq_id = (step * len(problems) + i) * r.samples_per_prompt + j
-                sampling = SamplingParams(
-                    max_new_tokens=r.max_new_tokens,
-                    temperature=r.temperature,
-                    top_p=r.top_p,
-                    seed=self.job.seed * 1_000_003 + seq_id,
-                )
-                works.append(Work(seq_id=seq_id, prompt_ids=prompt_ids, sampling=sampling))
-                self._samples[seq_id] = _Sample(problem=problem, prompt_ids=prompt_ids)
-        return works
-
     async def run(self) -> None:
         await self._wait_for_replicas()
-        for step in range(self.job.steps):
-            self._samples, self._scored = {}, 0
+        for step in range(self.steps):
+            self._batch_version = self.policy_version
+            batch = self.source.batch(step, self.policy_version)
+            self._samples = {sample.seq_id: sample for sample, _ in batch}
+            self._responses = self._scored = 0
             self._batch_done.clear()
-            malformed_before = self.tally.malformed
-            works = self._new_batch(step)
             start = self.clock.now()
             await self.request(
-                self.rollout_scheduler, SubmitSequences(sequences=works), timeout=self.request_timeout
+                self.rollout_scheduler,
+                SubmitSequences(sequences=[work for _, work in batch]),
+                timeout=self.request_timeout,
             )
             await self._batch_done.wait()
-            seconds = max(self.clock.now() - start, 1e-9)
-            report = self._report(step, seconds, self.tally.malformed - malformed_before)
+            scored_at = self.clock.now()
+            train = None
+            if self.trainer is not None:
+                samples = list(self._samples.values())
+                reply = await self.request(
+                    self.trainer,
+                    self.source.train_request(step, samples),
+                    timeout=self.train_timeout,
+                )
+                train = msgspec.to_builtins(getattr(reply, "stats", reply))
+                self.policy_version = int(getattr(getattr(reply, "stats", reply), "version", 0))
+            report = self._report(step, start, scored_at, train)
             self.reports.append(report)
             if self.on_step is not None:
                 self.on_step(report)
         self.finished.set()
 
-    def _report(self, step: int, seconds: float, malformed: int) -> StepReport:
+    def _report(self, step: int, start: float, scored_at: float, train: dict | None) -> StepReport:
         samples = list(self._samples.values())
         n = len(samples)
+        end = self.clock.now()
+        seconds = max(end - start, 1e-9)
         response_tokens = sum(len(s.response.token_ids) for s in samples if s.response)
         judgment_tokens = sum(len(s.judgment.token_ids) for s in samples if s.judgment)
-        judged = [s for s in samples if s.judgment is not None]
-        agreement = (
-            sum((s.score == 1.0) == s.correct for s in judged) / len(judged) if judged else None
-        )
-        rollout_by, reward_by = {}, {}
+        checked = [s for s in samples if s.correct is not None]
+        judged = [s for s in checked if s.judgment is not None]
+        rollout_by: dict[str, int] = {}
+        reward_by: dict[str, int] = {}
         for s in samples:
             if s.response:
                 rollout_by[s.response.replica] = rollout_by.get(s.response.replica, 0) + 1
@@ -228,16 +209,23 @@ class Driver(Actor):
                 reward_by[s.judgment.replica] = reward_by.get(s.judgment.replica, 0) + 1
         return StepReport(
             step=step,
+            policy_version=self._batch_version,
             samples=n,
             reward_mean=sum(s.score or 0.0 for s in samples) / n,
-            accuracy=sum(s.correct for s in samples) / n,
-            genrm_agreement=agreement,
-            malformed_judgments=malformed,
+            accuracy=sum(bool(s.correct) for s in checked) / len(checked) if checked else None,
+            genrm_agreement=(
+                sum((s.score == 1.0) == s.correct for s in judged) / len(judged) if judged else None
+            ),
+            malformed_judgments=sum(s.malformed for s in samples),
             response_tokens=response_tokens,
             judgment_tokens=judgment_tokens,
+            started_s=start,
+            rollout_s=self._last_response_at - start,
             seconds=seconds,
+            train_s=end - scored_at,
             samples_per_s=n / seconds,
             tokens_per_s=(response_tokens + judgment_tokens) / seconds,
             rollout_by_replica=dict(sorted(rollout_by.items())),
             reward_by_replica=dict(sorted(reward_by.items())),
+            train=train,
         )

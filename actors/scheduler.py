@@ -120,6 +120,10 @@ class Scheduler(Actor):
         self._agents: dict[str, str] = {}  # replica -> agent actor
         self._cut: set[str] = set()
         self._locks: dict[str, asyncio.Lock] = {}
+        # replica -> incarnation: an Assign placed on an earlier one (before a removal and a
+        # registration under the same id) must not reach the new one
+        self._incarnations: dict[str, int] = {}
+        self._added = 0
         self._undelivered: list[Completion] = []
         self._kick = asyncio.Event()
         self.completed = 0
@@ -148,6 +152,8 @@ class Scheduler(Actor):
             )
         if msg.replica not in self._agents:
             self.core.add_replica(msg.replica)
+            self._added += 1
+            self._incarnations[msg.replica] = self._added
         self._agents[msg.replica] = msg.agent
         self._update_cut()
         self.log.info("replica registered", replica=msg.replica, agent=msg.agent)
@@ -196,6 +202,7 @@ class Scheduler(Actor):
             generated = self._keep_partials(evacuated.partials, running)
             requeued = self.core.remove_replica(replica, generated)
             del self._agents[replica]
+            del self._incarnations[replica]
             self._locks.pop(replica, None)
             self._update_cut()
         self.log.info(
@@ -354,22 +361,22 @@ class Scheduler(Actor):
         await self._send_assigns(placed)
 
     async def _send_assigns(self, placed: dict[str, list[Work]]) -> None:
-        sends = [self._assign(r, ws) for r, ws in placed.items()]
+        sends = [self._assign(r, ws, self._incarnations[r]) for r, ws in placed.items()]
         for replica, result in zip(
             placed, await asyncio.gather(*sends, return_exceptions=True), strict=True
         ):
             if isinstance(result, BaseException):
                 sent, error = result.args if isinstance(result, _AssignFailed) else ([], result)
-                if replica in self._agents:
+                if replica in self._agents and sent:
                     running = {s.id for s in self.core.running_on(replica)}
                     # back to the queue's front: the sequences stay owned, nothing is lost
                     self.core.abort(replica, [i for i in sent if i in running])
                 self.log.warning("assign failed", replica=replica, error=repr(error))
                 self._kick.set()
 
-    async def _assign(self, replica: str, works: list[Work]) -> None:
+    async def _assign(self, replica: str, works: list[Work], incarnation: int) -> None:
         async with self._lock(replica):
-            if replica not in self._agents:
+            if self._incarnations.get(replica) != incarnation:
                 return  # removed meanwhile: the removal took these sequences back
             running = {s.id for s in self.core.running_on(replica)}
             works = [w for w in works if w.seq_id in running]
@@ -398,6 +405,16 @@ class Scheduler(Actor):
 
     def outstanding(self) -> int:
         return len(self._work)
+
+    @property
+    def routes(self) -> dict[str, str]:
+        """Registered replicas and the agent of each."""
+        return dict(self._agents)
+
+    @property
+    def cut(self) -> frozenset[str]:
+        """Replicas routing is cut from."""
+        return frozenset(self._cut)
 
 
 class _AssignFailed(Exception):

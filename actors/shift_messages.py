@@ -10,7 +10,8 @@ group"), so a Controller that restarts may send it again:
                (a replica joins with ``RegisterReplica``, sent by its agent on ``Register``)
     agent:     Evacuate (from its scheduler) -> Evacuated;
                Describe, Release, Acquire, Register -> AgentState
-    trainer:   LendDevices, ReclaimDevices, QueryTrainer -> TrainerStatus
+    trainer:   OffloadTrainer (lend the pool), ReloadTrainer (reclaim it), QueryTrainer
+               -> TrainerStatus, all from ``pivot.actors.trainer_messages``
     controller: TrainerPhaseChanged -> Ack;  QueryAllocation -> AllocationReport
 
 Published on the Controller's ``shift`` topic, for monitors (lossy): ShiftStarted,
@@ -147,37 +148,16 @@ class AgentState(RLMessage, kw_only=True):
     scheduler: str | None = None
 
 
-# -- controller <-> trainer
-
-
-class LendDevices(RLMessage, kw_only=True):
-    """To the trainer: offload and lend ``devices`` (the whole pool) to inference."""
-
-    devices: list[int]
-    txn: int = 0
-
-
-class ReclaimDevices(RLMessage, kw_only=True):
-    """To the trainer: ``devices`` (the whole pool) are yours again; reload."""
-
-    devices: list[int]
-    txn: int = 0
-
-
-class QueryTrainer(RLMessage, kw_only=True):
-    """Ask the trainer its phase and whether it holds its pool."""
-
-
-class TrainerStatus(RLMessage, kw_only=True):
-    phase: str  # pivot.snapshot.TrainerPhase: waiting | training | ready
-    holds_pool: bool
+# -- trainer -> controller (the controller drives the trainer with trainer_messages:
+#    OffloadTrainer to lend its pool, ReloadTrainer to reclaim it, QueryTrainer for its state)
 
 
 class TrainerPhaseChanged(RLMessage, kw_only=True):
-    """From the trainer: its phase changed (``ready``: reclaim now); the Controller plans at
-    once instead of at its next tick."""
+    """To the Controller, from whoever knows (the driver, the trainer): ``ready`` means a
+    batch is ready and the trainer needs its pool back now; ``waiting`` or ``training``
+    withdraw that. The Controller plans at once instead of at its next tick."""
 
-    phase: str
+    phase: str  # pivot.snapshot.TrainerPhase
 
 
 # -- controller: queries and events

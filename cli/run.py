@@ -24,13 +24,18 @@ import msgspec
 import pivot
 from pivot.actors.driver import Driver, StepReport
 from pivot.actors.messages import rl_messages
+from pivot.actors.monitor import Monitor
 from pivot.actors.scheduler import Scheduler
+from pivot.actors.sources import TaskSource
 from pivot.bus import Bus, Directory, RestartPolicy, Supervisor, configure_logging, run_real
+from pivot.cli.plot import plot_run
 from pivot.cluster import Role
 from pivot.config import ConfigError, load_toml
 from pivot.cost import CostModel
+from pivot.engine import SamplingParams
 from pivot.job import JobConfig
 from pivot.routing import RouterSettings, make_router
+from pivot.timeline import RoleSample, TrainSpan
 from pivot.tokenizer import TextCodec
 
 ASSETS = Path(pivot.__file__).resolve().parent / "assets"
@@ -46,7 +51,9 @@ def resolve_model(name: str, source: str, key: str) -> Path:
         if (candidate / "config.json").is_file():
             return candidate.resolve()
     shipped = sorted(
-        p.name for p in (ASSETS.iterdir() if ASSETS.is_dir() else ()) if (p / "config.json").is_file()
+        p.name
+        for p in (ASSETS.iterdir() if ASSETS.is_dir() else ())
+        if (p / "config.json").is_file()
     )
     raise ConfigError(
         source,
@@ -80,18 +87,24 @@ async def _run(
     roles = [Role.ROLLOUT] * (devices - reward_devices) + [Role.REWARD] * reward_devices
     agents = [f"agent-{i}" for i in range(devices)]
     schedulers = ["rollout-scheduler"] + (["reward-scheduler"] if genrm is not None else [])
-    names = ["driver", *schedulers, *agents]
+    names = ["driver", "monitor", *schedulers, *agents]
     # ipc paths must stay under ~100 bytes, so sockets live in a short temporary folder
     sockets = Path(tempfile.mkdtemp(prefix="pivot-"))
     directory = Directory.ipc(sockets, names)
     bus = Bus.nng(directory, rl_messages())
     codec = TextCodec.from_dir(policy)
     metrics = (run_dir / "metrics.jsonl").open("ab")
+    timeline = (run_dir / "timeline.jsonl").open("ab")
+
+    def on_sample(samples: list[RoleSample]) -> None:
+        for sample in samples:
+            timeline.write(msgspec.json.encode(sample) + b"\n")
+        timeline.flush()
 
     def on_step(report: StepReport) -> None:
         metrics.write(msgspec.json.encode(report) + b"\n")
         metrics.flush()
-        agree = "" if report.genrm_agreement is None else f"  genrm={report.genrm_agreement:4.2f}"
+        agree = "" if report.genrm_agreement is None else f"  genrm {report.genrm_agreement:4.2f}"
         console.print(
             f"step {report.step:3d}  reward {report.reward_mean:5.3f}  "
             f"exact {report.accuracy:5.3f}{agree}  {report.samples_per_s:6.1f} samples/s  "
@@ -107,11 +120,23 @@ async def _run(
     expected = {"rollout-scheduler": roles.count(Role.ROLLOUT)}
     if genrm is not None:
         expected["reward-scheduler"] = reward_devices
+    r = job.rollout
+    source = TaskSource(
+        codec,
+        seed=job.seed,
+        prompts_per_step=r.prompts_per_step,
+        samples_per_prompt=r.samples_per_prompt,
+        sampling=SamplingParams(
+            max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p
+        ),
+        judged=genrm is not None,
+        judgment_tokens=job.reward.max_new_tokens,
+    )
     driver = Driver(
         "driver",
         bus,
-        job=job,
-        codec=codec,
+        source=source,
+        steps=job.steps,
         rollout_scheduler="rollout-scheduler",
         reward_scheduler="reward-scheduler" if genrm is not None else None,
         on_step=on_step,
@@ -129,6 +154,15 @@ async def _run(
             policy=once,
         )
     sup.add_actor("driver", lambda: driver, policy=once)
+    monitor = Monitor(
+        "monitor",
+        bus,
+        agents=agents,
+        schedulers={s.removesuffix("-scheduler"): s for s in schedulers},
+        on_sample=on_sample,
+        origin=bus.clock.now(),
+    )
+    sup.add_actor("monitor", lambda: monitor, policy=once)
     for i, (agent, role) in enumerate(zip(agents, roles, strict=True)):
         model = policy if role is Role.ROLLOUT else genrm
         assert model is not None
@@ -152,7 +186,20 @@ async def _run(
         await sup.stop()
         sup.remove_signal_handlers()
         metrics.close()
+        timeline.close()
         shutil.rmtree(sockets, ignore_errors=True)
+    trains = [
+        TrainSpan(
+            start=r.started_s + r.seconds - r.train_s - monitor.origin,
+            end=r.started_s + r.seconds - monitor.origin,
+            version=r.policy_version + 1,
+        )
+        for r in driver.reports
+        if r.train is not None
+    ]
+    plot_run(
+        monitor.samples, [], trains, run_dir / "throughput.png", title=f"pivot run: {run_dir.name}"
+    )
     return driver.reports
 
 
@@ -204,6 +251,7 @@ def main(args: argparse.Namespace) -> int:
     samples = sum(r.samples for r in reports)
     console.print(
         f"done: {len(reports)} steps, {samples} samples in {wall:.1f} s; "
-        f"metrics in {run_dir / 'metrics.jsonl'}, logs in {run_dir / 'actors.log'}"
+        f"metrics in {run_dir / 'metrics.jsonl'}, throughput plot in "
+        f"{run_dir / 'throughput.png'}, logs in {run_dir / 'actors.log'}"
     )
     return 0

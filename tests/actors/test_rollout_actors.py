@@ -12,7 +12,9 @@ from pivot.actors.agent import RoleAgent
 from pivot.actors.driver import Driver
 from pivot.actors.messages import Abort, Aborted, Assign, Work, rl_messages
 from pivot.actors.scheduler import Scheduler
-from pivot.bus import Actor, Bus, LocalTransport, run_virtual
+from pivot.actors.sources import TaskSource
+from pivot.actors.trainer_messages import TrainBatch, Trained
+from pivot.bus import Actor, Bus, LocalTransport, handles, run_virtual
 from pivot.cluster import Role
 from pivot.cost import CostModel
 from pivot.engine import (
@@ -25,6 +27,7 @@ from pivot.engine import (
     StepOutput,
     TokenEvent,
 )
+from pivot.grpo import TrainStats
 from pivot.job import JobConfig, RolloutSection
 from pivot.routing import RouterSettings, check_ownership, make_router
 from pivot.task import ideal_judgment, worked_response
@@ -115,7 +118,7 @@ def _router():
     )
 
 
-def _cluster(bus: Bus, job: JobConfig, replicas: int, judges: int = 0):
+def _cluster(bus: Bus, job: JobConfig, replicas: int, judges: int = 0, trainer: bool = False):
     scheduler = Scheduler("sched", bus, role=Role.ROLLOUT, router=_router(), downstream="driver")
     actors, engines = [scheduler], []
     if judges:
@@ -136,22 +139,61 @@ def _cluster(bus: Bus, job: JobConfig, replicas: int, judges: int = 0):
             )
         )
     expected = {"sched": replicas} | ({"judge": judges} if judges else {})
+    r = job.rollout
+    source = TaskSource(
+        CODEC,
+        seed=job.seed,
+        prompts_per_step=r.prompts_per_step,
+        samples_per_prompt=r.samples_per_prompt,
+        sampling=SamplingParams(max_new_tokens=r.max_new_tokens),
+        judged=bool(judges),
+    )
+    if trainer:
+        actors.append(FakeTrainer("trainer", bus))
     driver = Driver(
         "driver",
         bus,
-        job=job,
-        codec=CODEC,
+        source=source,
+        steps=job.steps,
         rollout_scheduler="sched",
         reward_scheduler="judge" if judges else None,
+        trainer="trainer" if trainer else None,
         replicas=expected,
     )
     return actors, engines, driver
 
 
-def _run_job(job: JobConfig, replicas: int, seed: int = 0, judges: int = 0):
+class FakeTrainer(Actor):
+    """Answers each TrainBatch with the next policy version; keeps what it was sent."""
+
+    def __init__(self, name: str, bus: Bus) -> None:
+        super().__init__(name, bus)
+        self.batches: list[TrainBatch] = []
+
+    @handles
+    async def train(self, msg: TrainBatch) -> Trained:
+        self.batches.append(msg)
+        await self.clock.sleep(2.0)  # a step takes (virtual) time
+        stats = TrainStats(
+            version=len(self.batches),
+            loss=0.0,
+            grad_norm=0.0,
+            lr=1e-3,
+            sequences=len(msg.samples),
+            tokens=sum(len(s.response_ids) for s in msg.samples),
+            reward_mean=sum(s.reward for s in msg.samples) / len(msg.samples),
+            clip_fraction=0.0,
+            ratio_mean=1.0,
+        )
+        return Trained(step=msg.step, stats=stats)
+
+
+def _run_job(
+    job: JobConfig, replicas: int, seed: int = 0, judges: int = 0, trainer: bool = False
+):
     async def main(clock):
         bus = Bus.local(rl_messages(), transport=LocalTransport(), clock=clock)
-        actors, engines, driver = _cluster(bus, job, replicas, judges)
+        actors, engines, driver = _cluster(bus, job, replicas, judges, trainer)
         for actor in (*actors, driver):
             await actor.start()
         await driver.finished.wait()
@@ -162,6 +204,9 @@ def _run_job(job: JobConfig, replicas: int, seed: int = 0, judges: int = 0):
             counts.append(scheduler.core.ledger.counts())
         for actor in (driver, *reversed(actors)):
             await actor.stop()
+        trained = [a for a in actors if isinstance(a, FakeTrainer)]
+        if trained:
+            return driver.reports, counts, trained[0].batches
         return driver.reports, counts, [e.steps for e in engines]
 
     return run_virtual(main, seed=seed)
@@ -271,3 +316,19 @@ def test_rl_messages_round_trip_through_the_codec():
     msg = Assign(sequences=[Work(seq_id=1, prompt_ids=[1, 2], sampling=SamplingParams(seed=3))])
     decoded = codec.decode_request(codec.encode_request("me", 9, msg))
     assert decoded.body == msg and decoded.cid == 9 and decoded.sender == "me"
+
+
+def test_trainer_stage_gets_every_scored_sample_and_bumps_the_policy_version():
+    job = JobConfig(steps=3, rollout=RolloutSection(prompts_per_step=3, samples_per_prompt=4))
+    reports, _, batches = _run_job(job, replicas=2, judges=1, trainer=True)
+    assert [r.policy_version for r in reports] == [0, 1, 2]
+    assert [b.step for b in batches] == [0, 1, 2]
+    for report, batch in zip(reports, batches, strict=True):
+        assert len(batch.samples) == 12
+        # the 4 samples of a prompt share its group; odd seeds are the wrong answers
+        groups = sorted({s.group for s in batch.samples})
+        assert len(groups) == 3
+        assert sorted(s.reward for s in batch.samples) == [0.0] * 6 + [1.0] * 6
+        assert all(len(s.logprobs) == len(s.response_ids) > 0 for s in batch.samples)
+        assert report.train["version"] == report.policy_version + 1
+        assert report.train_s == pytest.approx(2.0)

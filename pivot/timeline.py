@@ -1,0 +1,70 @@
+"""A run's timeline: per-role throughput sampled over time, shifts with the allocation they
+left, and training intervals; what a Figure-10-style plot and the live display read.
+
+Throughput comes from cumulative token counters (so a lost sample loses resolution, never
+tokens); the overall throughput is the paper's Eq. 1 over the roles' outstanding sequences,
+``T = (N_roll + N_rm) / (N_roll/T_roll + N_rm/T_rm)``, or the loaded role's rate when only
+one role has demand.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class RoleSample(msgspec.Struct, frozen=True, kw_only=True):
+    t: float
+    role: str
+    tokens_per_s: float
+    outstanding: int  # queued + running sequences
+
+
+class ShiftMark(msgspec.Struct, frozen=True, kw_only=True):
+    t: float
+    kind: str  # shift | lend_trainer | reclaim_trainer
+    allocation: dict[str, int]  # role -> devices after the shift
+    seconds: float = 0.0  # how long the shift took
+
+
+class TrainSpan(msgspec.Struct, frozen=True, kw_only=True):
+    start: float
+    end: float
+    version: int
+
+
+def overall_throughput(rates: dict[str, float], outstanding: dict[str, int]) -> float:
+    """Eq. 1 of the paper over rollout and reward."""
+    roles = [r for r in ("rollout", "reward") if outstanding.get(r, 0) > 0]
+    if not roles:
+        return 0.0
+    if any(rates.get(r, 0.0) <= 0.0 for r in roles):
+        return 0.0
+    n = sum(outstanding[r] for r in roles)
+    return n / sum(outstanding[r] / rates[r] for r in roles)
+
+
+class RateMeter:
+    """Per-role tokens/s from cumulative per-replica counters, sampled at any times."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[str, int]] = {}  # replica -> (role, counter)
+        self._tokens: dict[str, int] = {}
+        self._since: float | None = None
+
+    def observe(self, replica: str, role: str, generated_total: int) -> None:
+        prev = self._last.get(replica)
+        if prev is not None and prev[0] == role and generated_total >= prev[1]:
+            self._tokens[role] = self._tokens.get(role, 0) + generated_total - prev[1]
+        self._last[replica] = (role, generated_total)
+
+    def sample(self, now: float) -> dict[str, float]:
+        """Rates since the previous sample; resets the window."""
+        if self._since is None:
+            self._since = now
+            self._tokens.clear()
+            return {}
+        dt = now - self._since
+        rates = {role: n / dt for role, n in self._tokens.items()} if dt > 0 else {}
+        self._since = now
+        self._tokens.clear()
+        return rates

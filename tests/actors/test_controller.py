@@ -1,0 +1,1059 @@
+"""The Controller shifting devices between roles through real actors (schedulers, agents, a
+fake trainer) on the local transport and the virtual clock: deterministic, no threads.
+
+Engines are scripted: a sequence's output depends only on its seed and length, so a sequence
+that was aborted on one replica and re-dispatched to another must end with exactly the tokens
+it would have produced without the shift; every sequence must complete exactly once."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterable
+
+import pytest
+import structlog
+
+from pivot.actors.agent import RoleAgent
+from pivot.actors.controller import Controller, ControllerSettings, open_journal
+from pivot.actors.journal import Journal
+from pivot.actors.messages import (
+    Ack,
+    Assign,
+    Completed,
+    Completion,
+    SubmitSequences,
+    Work,
+    rl_messages,
+)
+from pivot.actors.scheduler import Scheduler
+from pivot.actors.shift_messages import (
+    Acquire,
+    AgentState,
+    AllocationChanged,
+    AllocationReport,
+    CutRouting,
+    Describe,
+    MigrateSequences,
+    QueryAllocation,
+    Register,
+    Release,
+    RemoveReplica,
+    ReplicaRemoved,
+    RestoreRouting,
+    ShiftFinished,
+    ShiftStarted,
+    TrainerPhaseChanged,
+)
+from pivot.actors.trainer_messages import (
+    OffloadTrainer,
+    QueryTrainer,
+    ReloadTrainer,
+    TrainerStatus,
+)
+from pivot.bus import (
+    Actor,
+    Bus,
+    LocalTransport,
+    RemoteError,
+    configure_logging,
+    handles,
+    run_virtual,
+)
+from pivot.cluster import ClusterConfig, ClusterSpec, Layout, Role, RoleSpec
+from pivot.cost import CostModel
+from pivot.engine import (
+    ContextKind,
+    EngineNotServing,
+    EngineStats,
+    FinishedSequence,
+    FinishReason,
+    PartialOutput,
+    SamplingParams,
+    StepOutput,
+    TokenEvent,
+    as_context_kinds,
+)
+from pivot.planner import Migration, PlannerSettings
+from pivot.queue import Sequence
+from pivot.routing import RouterSettings, check_ownership, make_router
+from pivot.shift import AgentView, SchedulerView, ShiftRecord, allocation_problems
+
+MODEL = CostModel(a=1e-5, b=0.01, c=1e-3, d=0.005)
+ROUTER = RouterSettings(policy="lowest_itl", max_concurrent_per_replica=8)
+SETTINGS = ControllerSettings(
+    interval_s=0.5,
+    command_timeout_s=5.0,
+    retry_backoff_s=0.2,
+    planner=PlannerSettings(
+        min_awake_per_role=1, cooldown_s=2.0, immunity_s=2.0, migrate_time_init_s=0.05
+    ),
+)
+
+
+@pytest.fixture(autouse=True)
+def quiet_logs():
+    # the console renderer draws every expected crash's traceback with its locals: slow
+    configure_logging("warning", stream=io.StringIO())
+    yield
+    structlog.reset_defaults()
+
+
+def script(seed: int, length: int) -> list[int]:
+    return [(seed * 7 + i) % 50 + 1 for i in range(length)]
+
+
+class ScriptEngine:
+    """One token per step for each running sequence, following ``script(seed, length)``;
+    a step costs the cost model's ITL. Refuses work while its context is released."""
+
+    def __init__(self) -> None:
+        self.running: dict[int, tuple[list[int], list[int], int]] = {}
+        self.released: set[ContextKind] = set()
+        self.reprefills: list[tuple[int, int]] = []
+        self.added: list[int] = []
+        self.steps = 0
+        self.version = 0
+        self._last = 0.0
+
+    def add(self, seq_id, prompt_ids, generated_ids=(), sampling=None, generated_logprobs=None):
+        if self.released:
+            raise EngineNotServing(f"released: {sorted(self.released)}")
+        want = script(sampling.seed, sampling.max_new_tokens)
+        assert list(generated_ids) == want[: len(generated_ids)], "re-prefill diverged"
+        if generated_ids:
+            self.reprefills.append((seq_id, len(generated_ids)))
+        self.added.append(seq_id)
+        self.running[seq_id] = (want, list(generated_ids), len(prompt_ids))
+
+    def step(self) -> StepOutput:
+        self.steps += 1
+        tokens = sum(p + len(out) for _, out, p in self.running.values())
+        self._last = MODEL.itl_one(len(self.running), tokens)
+        events, finished = [], []
+        for seq_id, (want, out, _) in list(self.running.items()):
+            out.append(want[len(out)])
+            events.append(TokenEvent(seq_id, out[-1], -0.5))
+            if len(out) == len(want):
+                del self.running[seq_id]
+                finished.append(
+                    FinishedSequence(seq_id, tuple(out), (-0.5,) * len(out), FinishReason.LENGTH)
+                )
+        return StepOutput(self.steps, tuple(events), tuple(finished))
+
+    def abort(self, seq_ids: Iterable[int] | None = None) -> list[PartialOutput]:
+        ids = list(self.running) if seq_ids is None else [i for i in seq_ids if i in self.running]
+        out = []
+        for i in ids:
+            _, generated, _ = self.running.pop(i)
+            out.append(PartialOutput(i, tuple(generated), (-0.5,) * len(generated)))
+        return out
+
+    def load_weights(self, named_tensors, version: int) -> None:
+        self.version = version
+
+    def release(self, kinds) -> None:
+        kinds = as_context_kinds(kinds)
+        if self.running and kinds & {ContextKind.TRANSIENT, ContextKind.WEIGHTS}:
+            raise EngineNotServing("release with running sequences")
+        self.released |= kinds
+
+    def resume(self, kinds) -> None:
+        self.released -= as_context_kinds(kinds)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            running=len(self.running),
+            waiting=0,
+            kv_tokens=0,
+            kv_capacity_tokens=1 << 20,
+            max_running=8,
+            steps=self.steps,
+            generated_tokens=0,
+            last_step_s=self._last,
+            mean_step_s=self._last,
+            weights_version=self.version,
+            released=tuple(sorted(self.released)),
+        )
+
+
+class Sink(Actor):
+    """The next stage of both roles: keeps every completion it is handed."""
+
+    def __init__(self, name: str, bus: Bus) -> None:
+        super().__init__(name, bus)
+        self.got: dict[str, list[Completion]] = {"rollout": [], "reward": []}
+
+    @handles
+    def completed(self, msg: Completed) -> Ack:
+        self.got[msg.role].extend(msg.completions)
+        return Ack(count=len(msg.completions))
+
+
+class FakeTrainer(Actor):
+    """The trainer as the Controller sees it: idle, training or offloaded (pool lent)."""
+
+    def __init__(self, name: str, bus: Bus) -> None:
+        super().__init__(name, bus)
+        self.state = "idle"
+        self.calls: list[str] = []
+
+    @property
+    def holds_pool(self) -> bool:
+        return self.state != "offloaded"
+
+    def _status(self) -> TrainerStatus:
+        return TrainerStatus(
+            name=self.name,
+            state=self.state,
+            version=0,
+            world_size=1,
+            zero_stage=0,
+            steps=0,
+            store=None,
+        )
+
+    @handles
+    def query(self, msg: QueryTrainer) -> TrainerStatus:
+        return self._status()
+
+    @handles
+    def offload(self, msg: OffloadTrainer) -> TrainerStatus:
+        self.calls.append("offload")
+        self.state = "offloaded"
+        return self._status()
+
+    @handles
+    def reload(self, msg: ReloadTrainer) -> TrainerStatus:
+        self.calls.append("reload")
+        if self.state == "offloaded":
+            self.state = "idle"
+        return self._status()
+
+
+class Monitor(Actor):
+    """Collects the Controller's events."""
+
+    def __init__(self, name: str, bus: Bus) -> None:
+        super().__init__(name, bus)
+        self.events: list = []
+
+    async def run(self) -> None:
+        async for pub in self.subscribe("shift"):
+            self.events.append(pub.message)
+
+    def of(self, kind: type) -> list:
+        return [e for e in self.events if isinstance(e, kind)]
+
+
+class Killed(Exception):
+    """The test killing the Controller."""
+
+
+class CrashingJournal(Journal):
+    """Kills the Controller right before (or right after) its n-th append."""
+
+    def __init__(self, path, *, before: int | None = None, after: int | None = None) -> None:
+        super().__init__(path, type_=ShiftRecord, fsync=False)
+        self.before, self.after = before, after
+
+    def append(self, record) -> None:
+        if self.before == self.appended + 1:
+            raise Killed(f"before record {self.before}")
+        super().append(record)
+        if self.after == self.appended:
+            raise Killed(f"after record {self.after}")
+
+
+def four_devices() -> ClusterSpec:
+    return ClusterSpec.from_config(
+        ClusterConfig(
+            hosts=1,
+            devices_per_host=4,
+            rollout=RoleSpec(model="policy"),
+            reward=RoleSpec(model="genrm"),
+        )
+    )
+
+
+def trainer_cluster() -> ClusterSpec:
+    return ClusterSpec.from_config(
+        ClusterConfig(
+            hosts=2,
+            devices_per_host=2,
+            trainer_hosts=1,
+            rollout=RoleSpec(model="policy"),
+            reward=RoleSpec(model="genrm"),
+        )
+    )
+
+
+SCHEDULERS = {Role.ROLLOUT: "rollout-sched", Role.REWARD: "reward-sched"}
+
+
+class Cluster:
+    """Schedulers, one agent per device (both engines each), a sink, maybe a trainer."""
+
+    def __init__(
+        self,
+        clock,
+        spec: ClusterSpec,
+        layout: dict[int, tuple[str, str, tuple[int, ...]]],
+        *,
+        trainer: bool = False,
+    ) -> None:
+        self.clock = clock
+        self.spec = spec
+        self.bus = Bus.local(rl_messages(), transport=LocalTransport(), clock=clock)
+        self.sink = Sink("sink", self.bus)
+        self.trainer = FakeTrainer("trainer", self.bus) if trainer else None
+        self.monitor = Monitor("monitor", self.bus)
+        self.schedulers = {
+            role: Scheduler(
+                name,
+                self.bus,
+                role=role,
+                router=make_router(ROUTER, MODEL),
+                downstream="sink",
+                request_timeout=5.0,
+            )
+            for role, name in SCHEDULERS.items()
+        }
+        self.engines: dict[int, dict[str, ScriptEngine]] = {}
+        self.agents: dict[int, RoleAgent] = {}
+        for device in range(spec.size):
+            role, replica, devices = layout.get(device, ("free", "", ()))
+            engines = {"rollout": ScriptEngine(), "reward": ScriptEngine()}
+            self.engines[device] = engines
+            self.agents[device] = RoleAgent(
+                f"agent-{device}",
+                self.bus,
+                role=role,
+                replica=replica or None,
+                devices=devices or None,
+                device=device,
+                engines=engines,
+                scheduler=SCHEDULERS.get(Role(role)),
+                step_in_thread=False,
+                pace_steps=True,
+                report_timeout=5.0,
+            )
+        self.submitted: dict[str, dict[int, Work]] = {"rollout": {}, "reward": {}}
+        self.controller: Controller | None = None
+
+    def make_controller(self, journal: Journal) -> Controller:
+        return Controller("controller", self.bus, **self.controller_kwargs(journal))
+
+    def controller_kwargs(self, journal: Journal) -> dict:
+        return dict(
+            spec=self.spec,
+            agents={d: a.name for d, a in self.agents.items()},
+            schedulers=SCHEDULERS,
+            journal=journal,
+            cost_models={Role.ROLLOUT: MODEL, Role.REWARD: MODEL},
+            models={Role.ROLLOUT: "policy", Role.REWARD: "genrm"},
+            trainer="trainer" if self.trainer else None,
+            settings=SETTINGS,
+            routers={Role.ROLLOUT: ROUTER, Role.REWARD: ROUTER},
+        )
+
+    async def start(self) -> None:
+        extra = [self.trainer] if self.trainer else []
+        for actor in (self.sink, self.monitor, *extra, *self.schedulers.values()):
+            await actor.start()
+        for agent in self.agents.values():
+            await agent.start()
+        self.client = Actor("client", self.bus)
+        await self.client.start()
+
+    async def stop(self) -> None:
+        if self.controller is not None:
+            await self.controller.stop()
+        await self.client.stop()
+        for agent in self.agents.values():
+            await agent.stop()
+        extra = [self.trainer] if self.trainer else []
+        for actor in (*self.schedulers.values(), *extra, self.monitor, self.sink):
+            await actor.stop()
+
+    async def run_controller(self, journal: Journal) -> Controller:
+        self.controller = self.make_controller(journal)
+        await self.controller.start()
+        return self.controller
+
+    async def submit(self, role: str, first_id: int, count: int, length: int) -> None:
+        works = [
+            Work(
+                seq_id=i,
+                prompt_ids=[1] * 10,
+                sampling=SamplingParams(max_new_tokens=length, seed=i),
+            )
+            for i in range(first_id, first_id + count)
+        ]
+        self.submitted[role].update((w.seq_id, w) for w in works)
+        await self.client.request(SCHEDULERS[Role(role)], SubmitSequences(sequences=works))
+
+    async def until(self, condition, what: str, limit_s: float = 300.0) -> None:
+        deadline = self.clock.now() + limit_s
+        while not condition():
+            if self.clock.now() > deadline:
+                raise AssertionError(f"{what}: not within {limit_s} virtual seconds")
+            await self.clock.sleep(0.05)
+
+    def all_done(self) -> bool:
+        return all(len(self.sink.got[r]) >= len(self.submitted[r]) for r in self.submitted)
+
+    async def until_done(self) -> None:
+        await self.until(self.all_done, "every sequence completed")
+
+    # --- invariants -------------------------------------------------------------------------
+
+    def agent_views(self) -> list[AgentView]:
+        views = []
+        for device, agent in self.agents.items():
+            s = agent.state()
+            views.append(
+                AgentView(
+                    device=device,
+                    agent=agent.name,
+                    role=s.role,
+                    replica=s.replica,
+                    devices=tuple(s.devices),
+                    running=tuple(s.running),
+                )
+            )
+        return views
+
+    def scheduler_views(self) -> dict[Role, SchedulerView]:
+        return {
+            role: SchedulerView(role=role, replicas=s.routes, cut=s.cut)
+            for role, s in self.schedulers.items()
+        }
+
+    def problems(self) -> list[str]:
+        holds = self.trainer.holds_pool if self.trainer else None
+        return allocation_problems(self.spec, self.agent_views(), self.scheduler_views(), holds)
+
+    def check_owners(self) -> None:
+        """Every sequence one owner: the ledger matches the queues and replicas, and no
+        sequence runs on two agents of a role."""
+        for role, scheduler in self.schedulers.items():
+            check_ownership(scheduler.core.ledger, scheduler.core)
+            seen: dict[int, str] = {}
+            for agent in self.agents.values():
+                if agent.role is not role:
+                    continue
+                running = agent.state().running
+                for seq_id in running:
+                    assert seq_id not in seen, f"{seq_id} runs on {seen[seq_id]} and {agent.name}"
+                    seen[seq_id] = agent.name
+                # what an agent runs, its scheduler has placed on its replica
+                placed = (
+                    {s.id for s in scheduler.core.running_on(agent.replica)}
+                    if agent.replica in scheduler.routes
+                    else set()
+                )
+                assert set(running) <= placed, f"{agent.name} runs {set(running) - placed}"
+
+    def check_outputs(self) -> None:
+        """Each submitted sequence completed exactly once, with its scripted tokens."""
+        for role, works in self.submitted.items():
+            got = self.sink.got[role]
+            ids = [c.seq_id for c in got]
+            assert len(ids) == len(set(ids)), f"{role}: completed twice: {len(ids) - len(set(ids))}"
+            assert set(ids) == set(works), f"{role}: missing {sorted(set(works) - set(ids))[:5]}"
+            for c in got:
+                w = works[c.seq_id]
+                assert c.token_ids == script(w.sampling.seed, w.sampling.max_new_tokens)
+            counts = self.schedulers[Role(role)].core.ledger.counts()
+            assert counts["done"] == counts["submitted"] == len(works)
+
+    def reprefills(self, role: str) -> list[tuple[int, int]]:
+        return [r for engines in self.engines.values() for r in engines[role].reprefills]
+
+    def roles(self) -> dict[int, str]:
+        return {d: a.role.value for d, a in self.agents.items()}
+
+
+def rollout_heavy_layout() -> dict[int, tuple[str, str, tuple[int, ...]]]:
+    return {
+        0: ("rollout", "rollout@0", (0,)),
+        1: ("rollout", "rollout@1", (1,)),
+        2: ("rollout", "rollout@2", (2,)),
+        3: ("reward", "reward@3", (3,)),
+    }
+
+
+# --- shifting end to end ---------------------------------------------------------------------
+
+
+def test_reward_backlog_takes_rollout_replicas_and_gives_them_back(tmp_path):
+    async def main(clock):
+        cluster = Cluster(clock, four_devices(), rollout_heavy_layout())
+        await cluster.start()
+        # rollout replicas run a few long sequences; the reward queue backs up
+        await cluster.submit("rollout", 0, 6, 60)
+        await cluster.submit("reward", 1000, 60, 20)
+        controller = await cluster.run_controller(open_journal(tmp_path / "journal"))
+        await controller.recovered.wait()
+        assert cluster.problems() == []
+        await cluster.until(lambda: controller.shifts_done >= 1, "a first shift")
+        first = cluster.monitor.of(ShiftStarted)[0]
+        assert first.receiver is Role.REWARD and first.kind == "shift"
+        victims = [m.replica_id for m in first.moves if m.kind == "evict"]
+        assert victims and all(v.startswith("rollout@") for v in victims)
+        assert cluster.problems() == []
+        cluster.check_owners()
+        await cluster.until(cluster.all_done, "the first workload")
+        # aborted rollout sequences went elsewhere with their partial output and finished
+        assert any(n > 0 for _, n in cluster.reprefills("rollout"))
+        assert sum(r == "reward" for r in cluster.roles().values()) >= 2
+
+        # now rollout is the bottleneck and reward idles: devices go back
+        await clock.sleep(3.0)  # past the cooldown and the new replicas' immunity
+        await cluster.submit("rollout", 2000, 60, 30)
+        await cluster.until(
+            lambda: any(e.receiver is Role.ROLLOUT for e in cluster.monitor.of(ShiftStarted)),
+            "a shift back to rollout",
+        )
+        await cluster.until_done()
+        assert sum(r == "rollout" for r in cluster.roles().values()) >= 2
+        finished = cluster.monitor.of(ShiftFinished)
+        assert [f.outcome for f in finished] == ["done"] * len(finished) and len(finished) >= 2
+        assert cluster.monitor.of(AllocationChanged)
+        report = await cluster.client.request(
+            "controller", QueryAllocation(), expect=AllocationReport
+        )
+        assert report.recovered and report.shifts_done == len(finished)
+        assert {m.replica_id: m.devices for m in report.replicas} == {
+            a.replica: tuple(a.devices) for a in cluster.agents.values()
+        }
+        # every measured shift time went into the planner's running average
+        expected = SETTINGS.planner.migrate_time_init_s
+        for f in finished:
+            alpha = SETTINGS.planner.migrate_time_alpha
+            expected = (1 - alpha) * expected + alpha * f.seconds
+        assert controller.planner.migrate_time_s == pytest.approx(expected)
+        assert expected < SETTINGS.planner.migrate_time_init_s
+        cluster.check_outputs()
+        cluster.check_owners()
+        assert cluster.problems() == []
+        await cluster.stop()
+
+    run_virtual(main)
+
+
+def test_trainer_pool_is_lent_then_reclaimed_whole(tmp_path):
+    async def main(clock):
+        layout = {
+            0: ("rollout", "rollout@0", (0,)),
+            1: ("reward", "reward@1", (1,)),
+            2: ("training", "trainer", (2, 3)),
+            3: ("training", "trainer", (2, 3)),
+        }
+        cluster = Cluster(clock, trainer_cluster(), layout, trainer=True)
+        trainer = cluster.trainer
+        await cluster.start()
+        await cluster.submit("reward", 0, 80, 40)
+        controller = await cluster.run_controller(open_journal(tmp_path / "journal"))
+        await controller.recovered.wait()
+        assert cluster.problems() == []
+        # the idle trainer lends its pool; the reward backlog takes it
+        await cluster.until(
+            lambda: cluster.roles()[2] == "reward" and cluster.roles()[3] == "reward",
+            "reward replicas on the lent pool",
+        )
+        assert trainer.calls == ["offload"] and not trainer.holds_pool
+        kinds = [e.kind for e in cluster.monitor.of(ShiftStarted)]
+        assert kinds[0] == "lend_trainer"
+        await clock.sleep(0.5)  # let the new replicas fill up
+        running_on_pool = sum(len(cluster.agents[d].state().running) for d in (2, 3))
+        assert running_on_pool > 0
+
+        # a batch is ready: the trainer takes its pool back, whole
+        await cluster.client.request("controller", TrainerPhaseChanged(phase="ready"))
+        await cluster.until(lambda: trainer.holds_pool, "the pool reclaimed")
+        await cluster.until(lambda: controller.shift is None, "the reclaim finished")
+        assert trainer.calls == ["offload", "reload"]
+        assert cluster.roles() == {0: "rollout", 1: "reward", 2: "training", 3: "training"}
+        assert cluster.problems() == []
+        cluster.check_owners()
+        # ready until it trains: the pool is not lent again meanwhile
+        await clock.sleep(2.0)
+        assert trainer.calls == ["offload", "reload"]
+        trainer.state = "training"
+        await clock.sleep(2.0)
+        assert trainer.calls == ["offload", "reload"]
+        assert cluster.roles()[2] == "training"
+        # trained: idle with its pool, so it lends it again
+        trainer.state = "idle"
+        await cluster.until(lambda: not trainer.holds_pool, "the pool lent again")
+        assert trainer.calls == ["offload", "reload", "offload"]
+        await cluster.until_done()
+        # the sequences the pool's replicas were running finished elsewhere, continued
+        assert any(n > 0 for _, n in cluster.reprefills("reward"))
+        cluster.check_outputs()
+        cluster.check_owners()
+        assert cluster.problems() == []
+        await cluster.stop()
+
+    run_virtual(main)
+
+
+def test_a_trainer_that_trains_without_its_pool_gets_it_back(tmp_path):
+    """A batch reached the trainer while its pool was lent: reclaim, without being told."""
+
+    async def main(clock):
+        layout = {0: ("rollout", "rollout@0", (0,)), 1: ("reward", "reward@1", (1,))}
+        cluster = Cluster(clock, trainer_cluster(), layout, trainer=True)
+        cluster.trainer.state = "offloaded"
+        await cluster.start()
+        await cluster.submit("reward", 0, 40, 40)
+        controller = await cluster.run_controller(open_journal(tmp_path / "journal"))
+        await cluster.until(lambda: cluster.roles()[2] == "reward", "the pool serving reward")
+        cluster.trainer.state = "training"
+        await cluster.until(lambda: cluster.roles()[2] == "training", "the pool reclaimed")
+        await cluster.until(lambda: controller.shift is None, "the reclaim finished")
+        assert cluster.trainer.calls == ["reload"] and cluster.problems() == []
+        await cluster.until_done()
+        cluster.check_outputs()
+        await cluster.stop()
+
+    run_virtual(main)
+
+
+# --- crash and recovery ----------------------------------------------------------------------
+
+RECORDS_PER_SHIFT = 7  # planned, routing_cut, aborted, released, acquired, registered, done
+
+
+@pytest.mark.parametrize(
+    "when", [("before", n) for n in range(1, 8)] + [("after", n) for n in range(1, 8)]
+)
+def test_controller_killed_between_journal_records_recovers(tmp_path, when):
+    side, n = when
+
+    async def main(clock):
+        cluster = Cluster(clock, four_devices(), rollout_heavy_layout())
+        await cluster.start()
+        await cluster.submit("rollout", 0, 6, 60)
+        await cluster.submit("reward", 1000, 40, 20)
+        path = tmp_path / "journal"
+        journal = CrashingJournal(path, **{side: n})
+        first = await cluster.run_controller(journal)
+        await cluster.until(lambda: first.failure is not None, f"the kill {side} record {n}")
+        assert isinstance(first.failure, Killed)
+        journal.close()
+        await clock.sleep(0.3)  # anything the dead Controller had sent lands meanwhile
+        cluster.check_owners()
+
+        second = await cluster.run_controller(open_journal(path, fsync=False))
+        await second.recovered.wait()
+        assert second.journal_problems == []
+        assert cluster.problems() == []
+        cluster.check_owners()
+        records = second.journal.replay().records
+        phases = [getattr(r, "phase", "planned") for r in records]
+        if side == "after" and n == RECORDS_PER_SHIFT or side == "before" and n == 1:
+            assert "rolled_back" not in phases
+        else:
+            # the interrupted shift was finished (forward) or undone (back), never left open
+            assert phases[-1] in ("done", "rolled_back")
+            assert ("rolled_back" in phases) == (n <= (2 if side == "after" else 3))
+        await cluster.until_done()
+        cluster.check_outputs()
+        cluster.check_owners()
+        assert cluster.problems() == []
+        await cluster.stop()
+
+    run_virtual(main)
+
+
+def test_recovery_reconciles_a_half_acquired_replica_and_a_stale_registration(tmp_path):
+    """No journal at all, and agents and schedulers that disagree: the Controller makes
+    them agree before it plans."""
+
+    async def main(clock):
+        layout = rollout_heavy_layout()
+        cluster = Cluster(clock, four_devices(), layout)
+        await cluster.start()
+        await cluster.submit("rollout", 0, 6, 30)
+        await clock.sleep(0.05)
+        # device 2's agent lost its role behind the scheduler's back
+        rollout2 = cluster.agents[2]
+        assert rollout2.state().running
+        # the scheduler still routes to rollout@2; the agent is told to evacuate by no one
+        rollout2.engine.abort(None)
+        rollout2._held.clear()
+        rollout2.role, rollout2.replica, rollout2.engine = Role.FREE, None, None
+        assert cluster.problems() != []
+        controller = await cluster.run_controller(open_journal(tmp_path / "journal"))
+        await controller.recovered.wait()
+        assert controller.recovery_problems
+        assert cluster.problems() == []
+        assert "rollout@2" not in cluster.schedulers[Role.ROLLOUT].routes
+        await cluster.until_done()
+        cluster.check_outputs()
+        await cluster.stop()
+
+    run_virtual(main)
+
+
+# --- bad input -------------------------------------------------------------------------------
+
+
+def test_bad_messages_get_error_replies_and_the_controller_keeps_running(tmp_path):
+    async def main(clock):
+        cluster = Cluster(clock, four_devices(), rollout_heavy_layout())
+        await cluster.start()
+        controller = await cluster.run_controller(open_journal(tmp_path / "journal"))
+        await controller.recovered.wait()
+        client = cluster.client
+        with pytest.raises(RemoteError) as unknown:
+            await client.request("controller", Assign(sequences=[]))
+        assert unknown.value.code == "no_handler"
+        with pytest.raises(RemoteError) as bad_phase:
+            await client.request("controller", TrainerPhaseChanged(phase="sleeping"))
+        assert "sleeping" in str(bad_phase.value)
+        raw = await cluster.bus.transport.request("controller", b"\x93garbage", 5.0)
+        error = cluster.bus.codec.decode_reply(raw)
+        assert error.body.code == "bad_message"
+        await clock.sleep(2.0)  # a few planning ticks
+        assert controller.failure is None
+        report = await client.request("controller", QueryAllocation(), expect=AllocationReport)
+        assert report.recovered and len(report.replicas) == 4
+        await cluster.stop()
+
+    run_virtual(main)
+
+
+# --- crash in the middle of a phase; a wake that cannot be done -----------------------------
+
+
+class KillOnCommand(Controller):
+    """Dies right before sending its n-th shift command."""
+
+    kill_at = 0
+
+    async def _send(self, command):
+        type(self).kill_at -= 1
+        if type(self).kill_at == 0:
+            raise Killed(f"before command {command!r}")
+        return await super()._send(command)
+
+
+@pytest.mark.parametrize("k", range(1, 11))
+def test_controller_killed_between_two_commands_of_a_phase_recovers(tmp_path, k):
+    async def main(clock):
+        cluster = Cluster(clock, four_devices(), rollout_heavy_layout())
+        await cluster.start()
+        await cluster.submit("rollout", 0, 6, 60)
+        await cluster.submit("reward", 1000, 40, 20)
+        path = tmp_path / "journal"
+        KillOnCommand.kill_at = k
+        first = KillOnCommand(
+            "controller", cluster.bus, **cluster.controller_kwargs(open_journal(path, fsync=False))
+        )
+        cluster.controller = first
+        await first.start()
+        await cluster.until(lambda: first.failure is not None, f"the kill at command {k}")
+        first.journal.close()
+        await clock.sleep(0.3)
+        second = await cluster.run_controller(open_journal(path, fsync=False))
+        await second.recovered.wait()
+        assert cluster.problems() == []
+        cluster.check_owners()
+        await cluster.until_done()
+        cluster.check_outputs()
+        assert cluster.problems() == []
+        await cluster.stop()
+
+    run_virtual(main)
+
+
+def test_a_wake_whose_agent_refuses_is_given_up_and_its_device_left_free(tmp_path):
+    async def main(clock):
+        cluster = Cluster(clock, four_devices(), rollout_heavy_layout())
+        # device 2's agent cannot serve reward
+        del cluster.agents[2].engines[Role.REWARD]
+        await cluster.start()
+        await cluster.submit("rollout", 0, 6, 60)
+        await cluster.submit("reward", 1000, 60, 20)
+        controller = await cluster.run_controller(open_journal(tmp_path / "journal"))
+        await cluster.until(lambda: cluster.monitor.of(ShiftFinished), "the first shift")
+        done = cluster.monitor.of(ShiftFinished)[0]
+        assert done.outcome == "done" and done.failed == ["reward@2"]
+        assert cluster.roles()[2] == "free" and cluster.roles()[1] == "reward"
+        assert "reward@2" not in controller.allocation.replicas
+        assert cluster.problems() == []
+        await cluster.until_done()
+        cluster.check_outputs()
+        await cluster.stop()
+
+    run_virtual(main)
+
+
+# --- the shift protocol of schedulers and agents ---------------------------------------------
+
+
+def test_cut_routing_stops_new_work_and_migration_moves_running_sequences(tmp_path):
+    async def main(clock):
+        layout = {0: ("rollout", "rollout@0", (0,)), 1: ("rollout", "rollout@1", (1,))}
+        cluster = Cluster(clock, four_devices(), layout)
+        await cluster.start()
+        scheduler = cluster.schedulers[Role.ROLLOUT]
+        client = cluster.client
+        await client.request("rollout-sched", CutRouting(replica="rollout@1"))
+        await cluster.submit("rollout", 0, 6, 40)
+        await clock.sleep(0.1)
+        assert len(scheduler.core.running_on("rollout@0")) == 6
+        assert scheduler.core.running_on("rollout@1") == []
+        await client.request("rollout-sched", RestoreRouting(replica="rollout@1"))
+        moves = [Migration(i, "rollout@0", "rollout@1") for i in (0, 1, 2)]
+        moved = await client.request(
+            "rollout-sched", MigrateSequences(migrations=moves), expect=Ack
+        )
+        assert moved.count == 3
+        assert sorted(s.id for s in scheduler.core.running_on("rollout@1")) == [0, 1, 2]
+        assert [s for s, n in cluster.engines[1]["rollout"].reprefills if n > 0] == [0, 1, 2]
+        cluster.check_owners()
+        # unknown replicas are no-ops: the commands are idempotent
+        again = await client.request(
+            "rollout-sched", RemoveReplica(replica="rollout@9"), expect=ReplicaRemoved
+        )
+        assert not again.known
+        await cluster.until_done()
+        cluster.check_outputs()
+        await cluster.stop()
+
+    run_virtual(main)
+
+
+def test_remove_replica_keeps_partial_output_in_the_work(tmp_path):
+    async def main(clock):
+        layout = {0: ("rollout", "rollout@0", (0,))}
+        cluster = Cluster(clock, four_devices(), layout)
+        await cluster.start()
+        await cluster.submit("rollout", 0, 3, 40)
+        await clock.sleep(0.2)
+        scheduler = cluster.schedulers[Role.ROLLOUT]
+        removed = await cluster.client.request(
+            "rollout-sched", RemoveReplica(replica="rollout@0"), expect=ReplicaRemoved
+        )
+        assert removed.known and removed.requeued == 3
+        assert scheduler.core.replicas == [] and len(scheduler.core.queue) == 3
+        for seq_id in range(3):
+            work = scheduler._work[seq_id]
+            assert 0 < len(work.generated_ids) < 40
+            assert work.generated_ids == script(seq_id, 40)[: len(work.generated_ids)]
+            assert len(work.generated_logprobs) == len(work.generated_ids)
+        agent = cluster.agents[0]
+        assert agent.state().running == [] and not agent.state().serving
+        # the replica is gone: a second removal is a no-op
+        again = await cluster.client.request(
+            "rollout-sched", RemoveReplica(replica="rollout@0"), expect=ReplicaRemoved
+        )
+        assert not again.known
+        cluster.check_owners()
+        await cluster.stop()
+
+    run_virtual(main)
+
+
+class RecordingEngine(ScriptEngine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.loaded: list[tuple[dict, int]] = []
+
+    def load_weights(self, named_tensors, version: int) -> None:
+        self.loaded.append(({n: t.clone() for n, t in dict(named_tensors).items()}, version))
+        self.version = version
+
+
+def test_acquire_reads_weights_from_gps_and_release_frees_the_device():
+    import torch
+
+    from pivot.actors.agent import StoreWeights
+    from pivot.actors.param_store import ParameterStore
+
+    async def main(clock):
+        bus = Bus.local(rl_messages(), transport=LocalTransport(), clock=clock)
+        with ParameterStore() as store:
+            weights = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3)}
+            store.write(weights, version=3)
+            engine = RecordingEngine()
+            loader = StoreWeights(
+                store.name, like={n: torch.zeros_like(t) for n, t in weights.items()}
+            )
+            agent = RoleAgent(
+                "agent-0",
+                bus,
+                device=0,
+                engines={"rollout": engine},
+                weights={"rollout": loader},
+                models={"rollout": "policy"},
+                step_in_thread=False,
+            )
+            client = Actor("client", bus)
+            await agent.start()
+            await client.start()
+            assert agent.state().role is Role.FREE and engine.released
+            acquire = Acquire(
+                role=Role.ROLLOUT, replica="rollout@0", devices=[0], model="policy", min_version=3
+            )
+            state = await client.request("agent-0", acquire, expect=AgentState)
+            assert (state.role, state.replica, state.weights_version) == (
+                Role.ROLLOUT,
+                "rollout@0",
+                3,
+            )
+            ((loaded, version),) = engine.loaded
+            assert version == 3 and all(torch.equal(loaded[n], weights[n]) for n in weights)
+            assert not engine.released
+            # the same Acquire again changes nothing; another replica is refused
+            await client.request("agent-0", acquire, expect=AgentState)
+            assert len(engine.loaded) == 1
+            with pytest.raises(RemoteError, match="releasing"):
+                await client.request(
+                    "agent-0",
+                    Acquire(role=Role.REWARD, replica="reward@0", devices=[0]),
+                )
+            state = await client.request("agent-0", Release(replica="rollout@0"), expect=AgentState)
+            assert state.role is Role.FREE and state.replica is None
+            assert engine.released == {ContextKind.TRANSIENT, ContextKind.WEIGHTS}
+            # a version GPS does not have yet: refused, and the engine stays released
+            with pytest.raises(RemoteError, match="version 4"):
+                await client.request(
+                    "agent-0",
+                    Acquire(role=Role.ROLLOUT, replica="rollout@0", devices=[0], min_version=4),
+                )
+            assert agent.state().role is Role.FREE and engine.released
+            with pytest.raises(RemoteError, match="model 'policy'"):
+                await client.request(
+                    "agent-0",
+                    Acquire(role=Role.ROLLOUT, replica="rollout@0", devices=[0], model="genrm"),
+                )
+            described = await client.request("agent-0", Describe(), expect=AgentState)
+            assert described.role is Role.FREE
+            await client.stop()
+            await agent.stop()
+            loader.close()
+
+    run_virtual(main)
+
+
+def test_a_member_of_a_multi_device_replica_holds_the_role_without_an_engine():
+    async def main(clock):
+        bus = Bus.local(rl_messages(), transport=LocalTransport(), clock=clock)
+        engine = ScriptEngine()
+        member = RoleAgent(
+            "agent-1", bus, device=1, engines={"reward": engine}, step_in_thread=False
+        )
+        client = Actor("client", bus)
+        await member.start()
+        await client.start()
+        state = await client.request(
+            "agent-1",
+            Acquire(role=Role.REWARD, replica="reward@0", devices=[0, 1]),
+            expect=AgentState,
+        )
+        assert state.role is Role.REWARD and state.devices == [0, 1] and not state.serving
+        assert engine.released  # only the leader's engine serves
+        with pytest.raises(RemoteError, match="not the leader"):
+            await client.request("agent-1", Register(replica="reward@0"))
+        state = await client.request("agent-1", Release(replica="reward@0"), expect=AgentState)
+        assert state.role is Role.FREE
+        with pytest.raises(RemoteError, match="not among devices"):
+            await client.request(
+                "agent-1", Acquire(role=Role.REWARD, replica="reward@2", devices=[2, 3])
+            )
+        await client.stop()
+        await member.stop()
+
+    run_virtual(main)
+
+
+def test_controller_settings_come_from_toml_and_bad_values_are_named():
+    from pivot.config import ConfigError, decode_toml
+
+    settings = decode_toml(
+        "interval_s = 2.0\nrelease_kinds = ['transient']\n[planner]\ncooldown_s = 30.0\n",
+        ControllerSettings,
+        "controller.toml",
+    )
+    assert settings.interval_s == 2.0 and settings.release_kinds == ("transient",)
+    assert settings.planner.cooldown_s == 30.0
+    with pytest.raises(ConfigError, match="release_kinds"):
+        decode_toml("release_kinds = ['persistent']\n", ControllerSettings, "controller.toml")
+    with pytest.raises(ConfigError, match="interval_s"):
+        decode_toml("interval_s = 0\n", ControllerSettings, "controller.toml")
+
+
+def test_a_two_device_reward_replica_wakes_on_two_rollout_devices(tmp_path):
+    async def main(clock):
+        spec = ClusterSpec.from_config(
+            ClusterConfig(
+                hosts=2,
+                devices_per_host=4,
+                rollout=RoleSpec(model="policy"),
+                reward=RoleSpec(model="genrm", layout=Layout(tp=2)),
+            )
+        )
+        layout = {d: ("rollout", f"rollout@{d}", (d,)) for d in range(6)}
+        layout |= {6: ("reward", "reward@6", (6, 7)), 7: ("reward", "reward@6", (6, 7))}
+        cluster = Cluster(clock, spec, layout)
+        await cluster.start()
+        await cluster.submit("rollout", 0, 6, 40)
+        await cluster.submit("reward", 1000, 80, 20)
+        controller = await cluster.run_controller(open_journal(tmp_path / "journal"))
+        await cluster.until(lambda: controller.shifts_done >= 1, "a shift")
+        first = cluster.monitor.of(ShiftStarted)[0]
+        wakes = [m for m in first.moves if m.kind == "wake"]
+        assert wakes
+        for woken in wakes:
+            assert woken.role is Role.REWARD and len(woken.devices) == 2
+            leader, member = (cluster.agents[d].state() for d in woken.devices)
+            assert leader.serving and not member.serving
+            assert leader.replica == member.replica == woken.replica_id
+            assert woken.replica_id in cluster.schedulers[Role.REWARD].routes
+        assert cluster.problems() == []
+        await cluster.until_done()
+        cluster.check_outputs()
+        cluster.check_owners()
+        await cluster.stop()
+
+    run_virtual(main)
+
+
+def test_an_assign_that_lost_the_race_to_a_removal_is_not_sent(tmp_path):
+    async def main(clock):
+        cluster = Cluster(clock, four_devices(), {0: ("rollout", "rollout@0", (0,))})
+        await cluster.start()
+        scheduler = cluster.schedulers[Role.ROLLOUT]
+        works = [
+            Work(seq_id=i, prompt_ids=[1] * 10, sampling=SamplingParams(max_new_tokens=9, seed=i))
+            for i in range(2)
+        ]
+        for work in works:  # queued without a kick: this test plays the dispatch loop
+            scheduler._work[work.seq_id] = work
+            scheduler.core.submit(Sequence(id=work.seq_id, prompt_tokens=10))
+        placed = scheduler.core.dispatch()
+        assert [d.replica_id for d in placed] == ["rollout@0", "rollout@0"]
+        stale = scheduler._assign("rollout@0", works, scheduler._incarnations["rollout@0"])
+        # the removal wins the replica's lock, and the replica comes back (same id) before
+        # the Assign goes: the new incarnation gets the requeued sequences, once
+        await cluster.client.request("rollout-sched", RemoveReplica(replica="rollout@0"))
+        await cluster.client.request("agent-0", Register(replica="rollout@0"))
+        await clock.sleep(0)
+        assert sorted(cluster.agents[0].state().running) == [0, 1]
+        await stale
+        assert sorted(cluster.engines[0]["rollout"].added) == [0, 1]
+        cluster.check_owners()
+        cluster.submitted["rollout"] = {w.seq_id: w for w in works}
+        await cluster.until_done()
+        cluster.check_outputs()
+        await cluster.stop()
+
+    run_virtual(main)
