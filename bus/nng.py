@@ -246,12 +246,17 @@ class _Peer:
         self.sock = sock
         self._fast = fast
         self._idle: list[_ContextSlot] = []
+        # every slot ever made, in use or not: each must be closed before the socket, or
+        # pynng's Context.__del__ raises Closed at garbage collection ("Exception ignored")
+        self._made: list[_ContextSlot] = []
         self._closed = False
 
     def take(self) -> _ContextSlot:
         if self._idle:
             return self._idle.pop()
-        return _ContextSlot(self.sock.new_context(), _nngaio.new_slot(self._fast))
+        slot = _ContextSlot(self.sock.new_context(), _nngaio.new_slot(self._fast))
+        self._made.append(slot)
+        return slot
 
     def give_back(self, slot: _ContextSlot) -> None:
         if self._closed:
@@ -271,9 +276,15 @@ class _Peer:
 
     def close(self) -> None:
         self._closed = True
-        for slot in self._idle:
-            slot.close()
+        idle = {id(slot) for slot in self._idle}
+        for slot in self._made:
+            if id(slot) in idle:
+                slot.close()
+            else:  # a request still holds it: end its context, its aio is the request's
+                with contextlib.suppress(pynng.NNGException):
+                    slot.ctx.close()
         self._idle.clear()
+        self._made.clear()
         self.sock.close()
 
 

@@ -156,7 +156,11 @@ class _ProcessChild(_Child):
         assert process.stdout is not None
         try:
             async with asyncio.timeout(self._ready_timeout):
-                line = await process.stdout.readline()
+                # a library may print before the handshake: pass such lines on, keep waiting
+                while (line := await process.stdout.readline()) and not line.startswith(
+                    b"READY"
+                ):
+                    sys.stderr.write(line.decode(errors="replace"))
         except TimeoutError:
             await self.stop()
             raise BusError(

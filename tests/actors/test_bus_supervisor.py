@@ -28,6 +28,7 @@ from pivot.bus import (
     Unreachable,
     VirtualClock,
     configure_logging,
+    run_real,
     run_virtual,
     started,
 )
@@ -262,3 +263,36 @@ async def test_crashed_child_process_is_restarted(tmp_path_factory: pytest.TempP
         await supervisor.stop()
         await bus.close()
     assert not alive(supervisor.pid("echo"))
+
+
+def chatty_echo(name: str, *, directory: dict):
+    """An echo actor whose factory prints to stdout first, as DeepSpeed does."""
+    print("a library says hello on stdout", flush=True)
+    from pivot.bus.testing import echo_actor
+
+    return echo_actor(name, directory=directory)
+
+
+def test_child_printing_before_ready_still_starts(tmp_path):
+    directory = Directory.ipc(tmp_path, ["chatty", "client"])
+
+    async def main():
+        sup = Supervisor()
+        sup.add_process(
+            "chatty",
+            "test_bus_supervisor:chatty_echo",
+            kwargs={"directory": directory.to_dict()},
+            env={"PYTHONPATH": str(Path(__file__).parent)},
+            ready_timeout=60.0,
+        )
+        await sup.start()
+        try:
+            client = Actor("client", Bus.nng(directory, TESTING_MESSAGES))
+            await client.start()
+            reply = await client.request("chatty", Echo(text="hi"), timeout=10.0)
+            assert reply.text == "hi"
+            await client.stop()
+        finally:
+            await sup.stop()
+
+    run_real(main())
