@@ -27,16 +27,28 @@ way, so no engine is ever rebuilt. The Controller drives the change (all idempot
 
     RoleAgent(name, bus, *, engine=None, role="free", scheduler=None, replica=None,
               engines=None, weights=None, models=None, device=None, devices=None,
-              report_timeout=30.0, step_in_thread=True, pace_steps=False)
+              report_timeout=30.0, step_in_thread=True, pace_steps=False,
+              fast_forward=False, shift_seconds=None)
     CheckpointWeights(folder)            WeightLoader: a Hugging Face checkpoint folder
     StoreWeights(store, like)            WeightLoader: newest version in a GPS host store
+
+Simulated engines (``pivot.sim_engine``) run on the virtual clock: ``pace_steps`` sleeps each
+step's reported cost. ``fast_forward`` goes further for an engine with ``next_event()`` and a
+multi-iteration ``step(max_tokens=None, max_cost_s=...)``: the agent sleeps until the engine's
+next event (a sequence finishes, the KV cache fills) and runs all the iterations up to it in one
+call, so a replica costs one call per event instead of one per token. An Assign, Abort or
+Evacuate that arrives meanwhile first runs the iterations that started before it (the engine is
+never ahead of the clock when its sequences change), then the agent plans the next segment.
+``shift_seconds(action, role)`` prices the agent's part of a shift in clock time (actions:
+evacuate, release, acquire, register); None: shifts cost nothing but their messages.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -155,6 +167,8 @@ class RoleAgent(Actor):
         report_timeout: float = 30.0,
         step_in_thread: bool = True,
         pace_steps: bool = False,
+        fast_forward: bool = False,
+        shift_seconds: Callable[[str, Role], float] | None = None,
     ) -> None:
         super().__init__(name, bus)
         self.role = Role(role)
@@ -184,6 +198,13 @@ class RoleAgent(Actor):
         self.step_in_thread = step_in_thread
         # a simulated engine's step costs its reported latency in (virtual) time
         self.pace_steps = pace_steps
+        self.fast_forward = fast_forward
+        self.shift_seconds = shift_seconds
+        # fast forward: the engine time at which the segment in flight began (None: no segment
+        # in flight), and the engine time up to which its iterations have run
+        self._segment_start: float | None = None
+        self._engine_free_at = 0.0
+        self._interrupt = asyncio.Event()
         self._engine_lock = asyncio.Lock()
         self._report_lock = asyncio.Lock()
         # one role change at a time: a repeated Acquire (a restarted Controller) waits for the
@@ -228,7 +249,9 @@ class RoleAgent(Actor):
                 f"agent {self.name!r} serves no replica now (role {self.role.value}); "
                 "assign refused"
             )
+        await self._catch_up(max((w.policy_version for w in msg.sequences), default=0))
         async with self._engine_lock:
+            self._settle()
             for work in msg.sequences:
                 self.engine.add(
                     work.seq_id,
@@ -241,11 +264,27 @@ class RoleAgent(Actor):
         self._work.set()
         return Ack(count=len(msg.sequences))
 
+    async def _catch_up(self, version: int) -> None:
+        """Read a newer policy from GPS before serving sequences of that version: a replica
+        that never shifts must still follow the trainer."""
+        engine, loader = self.engine, self.weights.get(self.role)
+        if engine is None or loader is None or engine.stats().weights_version >= version:
+            return
+        model = self.models.get(self.role, "")
+        if self.step_in_thread:
+            tensors, got = await asyncio.to_thread(loader, model, version)
+        else:
+            tensors, got = loader(model, version)
+        async with self._engine_lock:
+            engine.load_weights(tensors, got)
+        self.log.info("weights updated", role=self.role.value, version=got)
+
     @handles
     async def abort(self, msg: Abort) -> Aborted:
         if self.engine is None:
             return Aborted(partials=[])
         async with self._engine_lock:
+            self._settle()
             partials = self.engine.abort(msg.seq_ids)
             self._held.difference_update(int(p.seq_id) for p in partials)
         return Aborted(partials=[_partial(p) for p in partials])
@@ -277,9 +316,11 @@ class RoleAgent(Actor):
         if msg.replica != self.replica or self.engine is None:
             return Evacuated(replica=msg.replica)
         self._accepting = False
+        await self._pause("evacuate", self.role)
         # a report in flight is answered before the scheduler hears what is left here
         async with self._report_lock:
             async with self._engine_lock:
+                self._settle()
                 partials = self.engine.abort(None)
                 self._held.clear()
             completions, self._unreported = self._unreported, []
@@ -297,7 +338,10 @@ class RoleAgent(Actor):
     async def _release(self, msg: Release) -> AgentState:
         if msg.replica != self.replica or self.role is Role.FREE:
             return self.state()
+        if self._leads(self.devices):
+            await self._pause("release", self.role)
         async with self._engine_lock:
+            self._settle()
             engine = self.engine
             if engine is not None:
                 stats = engine.stats()
@@ -310,6 +354,7 @@ class RoleAgent(Actor):
                 engine.release(msg.kinds)
             self._accepting = False
             self.engine = None
+            self._engine_free_at = 0.0  # the next engine's time starts from the clock
             self.role = Role.FREE
             self.replica = None
             self.devices = ()
@@ -345,6 +390,7 @@ class RoleAgent(Actor):
                     f"agent {self.name!r} serves model {known!r} for {msg.role.value}, "
                     f"not {msg.model!r}"
                 )
+            await self._pause("acquire", msg.role)
             async with self._engine_lock:
                 await self._load(engine, msg)
         elif msg.role is Role.FREE:
@@ -384,6 +430,8 @@ class RoleAgent(Actor):
             raise ShiftRefused(f"agent {self.name!r} is not the leader of {msg.replica!r}")
         if self.scheduler is None:
             raise ShiftRefused(f"agent {self.name!r} knows no scheduler for {msg.replica!r}")
+        if not self._accepting:  # a repeated Register costs nothing more
+            await self._pause("register", self.role)
         await self._register()
         self._work.set()
         return self.state()
@@ -400,7 +448,10 @@ class RoleAgent(Actor):
                 await self._work.wait()
                 continue
             if busy:
-                await self._step(engine)
+                if self.fast_forward:
+                    await self._advance(engine)
+                else:
+                    await self._step(engine)
             if self._unreported:
                 await self._report()
 
@@ -428,6 +479,70 @@ class RoleAgent(Actor):
         await self._publish_load(stats)
         if self.pace_steps and stats.last_step_s > 0:
             await self.clock.sleep(stats.last_step_s)
+
+    # --- fast forward (simulated engines) ---------------------------------------------------
+
+    async def _advance(self, engine: Any) -> None:
+        """Sleep until the engine's next event, then run every iteration up to it in one call,
+        unless a handler settled the segment first (see ``_settle``)."""
+        async with self._engine_lock:
+            if engine is not self.engine or not engine.has_unfinished():
+                return
+            iterations, cost = engine.next_event()
+            if iterations == 0:
+                raise RuntimeError(f"agent {self.name!r}: the engine holds work it cannot run")
+            start = max(self.clock.now(), self._engine_free_at)
+            self._segment_start = start
+            self._interrupt.clear()
+        delay = start + cost - self.clock.now()
+        if delay > 0:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay):
+                    await self._interrupt.wait()
+        async with self._engine_lock:
+            if self._segment_start != start or engine is not self.engine:
+                return  # settled by a handler: plan the next segment from the engine as it is
+            self._segment_start = None
+            out = engine.step(max_tokens=None)
+            self._engine_free_at = start + out.cost_s
+            self._collect(out)
+        await self._publish_load(engine.stats())
+
+    def _settle(self) -> None:
+        """Before a handler changes the engine (under the engine lock): run the iterations of
+        the segment in flight that started by now, and make the run loop plan again."""
+        start = self._segment_start
+        if start is None:
+            return
+        self._segment_start = None
+        self._interrupt.set()
+        engine = self.engine
+        elapsed = self.clock.now() - start
+        if elapsed <= 0 or engine is None or not engine.has_unfinished():
+            return
+        out = engine.step(max_tokens=None, max_cost_s=elapsed)  # type: ignore[call-arg]
+        self._engine_free_at = start + out.cost_s
+        self._collect(out)
+
+    def _collect(self, out: Any) -> None:
+        self._held.difference_update(int(f.seq_id) for f in out.finished)
+        self._unreported.extend(
+            Completion(
+                seq_id=int(f.seq_id),
+                token_ids=list(f.token_ids),
+                logprobs=list(f.logprobs),
+                finish_reason=f.finish_reason,
+                replica=self.replica or "",
+            )
+            for f in out.finished
+        )
+
+    async def _pause(self, action: str, role: Role) -> None:
+        """The agent's part of a shift takes time (simulation: ``shift_seconds``)."""
+        if self.shift_seconds is not None:
+            seconds = self.shift_seconds(action, role)
+            if seconds > 0:
+                await self.clock.sleep(seconds)
 
     async def _report(self) -> None:
         async with self._report_lock:

@@ -11,7 +11,7 @@ checker scores responses; without a trainer the policy stays fixed.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import msgspec
 
@@ -64,6 +64,8 @@ class Driver(Actor):
         startup_timeout: float = 300.0,
         request_timeout: float = 30.0,
         train_timeout: float = 600.0,
+        on_batch_ready: Callable[[], Awaitable[None]] | None = None,
+        before_first_step: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         super().__init__(name, bus)
         if source.judged and reward_scheduler is None:
@@ -78,6 +80,10 @@ class Driver(Actor):
         self.startup_timeout = startup_timeout
         self.request_timeout = request_timeout
         self.train_timeout = train_timeout
+        # before the train request: e.g. tell the Controller to reclaim the trainer pool now
+        self.on_batch_ready = on_batch_ready
+        # e.g. wait until the Controller has recovered its allocation
+        self.before_first_step = before_first_step
         self.policy_version = 0
         self._batch_version = 0
         self.reports: list[StepReport] = []
@@ -161,6 +167,8 @@ class Driver(Actor):
 
     async def run(self) -> None:
         await self._wait_for_replicas()
+        if self.before_first_step is not None:
+            await self.before_first_step()
         for step in range(self.steps):
             self._batch_version = self.policy_version
             batch = self.source.batch(step, self.policy_version)
@@ -177,6 +185,8 @@ class Driver(Actor):
             scored_at = self.clock.now()
             train = None
             if self.trainer is not None:
+                if self.on_batch_ready is not None:
+                    await self.on_batch_ready()
                 samples = list(self._samples.values())
                 reply = await self.request(
                     self.trainer,

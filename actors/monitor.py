@@ -2,7 +2,10 @@
 
 It reads the agents' ``load`` publications (cumulative token counters, so a dropped
 publication costs resolution, not tokens) and polls each scheduler's status for outstanding
-sequences, and every ``interval`` seconds emits one ``RoleSample`` per inference role.
+sequences, and every ``interval`` seconds emits one ``RoleSample`` per inference role. With a
+controller it also follows the ``shift`` topic and keeps one ``ShiftMark`` per finished shift
+with the allocation it left (devices per role; a lent trainer pool's devices that no
+replica took yet count nowhere).
 """
 
 from __future__ import annotations
@@ -10,8 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pivot.actors.messages import QueryStatus, ReplicaLoad, SchedulerStatus
+from pivot.actors.shift_messages import AllocationChanged, ShiftFinished, ShiftStarted
 from pivot.bus import Actor, Bus, BusError
-from pivot.timeline import RateMeter, RoleSample
+from pivot.timeline import RateMeter, RoleSample, ShiftMark
 
 
 class Monitor(Actor):
@@ -23,23 +27,68 @@ class Monitor(Actor):
         agents: list[str],
         schedulers: dict[str, str],
         on_sample: Callable[[list[RoleSample]], None] | None = None,
+        on_shift: Callable[[ShiftMark], None] | None = None,
+        controller: str | None = None,
         interval: float = 0.5,
-        origin: float = 0.0,
+        origin: float | None = None,
     ) -> None:
         super().__init__(name, bus)
         self.agents = agents
         self.schedulers = schedulers  # role -> scheduler actor
         self.on_sample = on_sample
         self.interval = interval
-        self.origin = origin  # sample times are seconds since this clock reading
+        # sample times are seconds since this clock reading (default: when sampling starts)
+        self.origin = origin
+        self.on_shift = on_shift
+        self.controller = controller
         self.samples: list[RoleSample] = []
+        self.shifts: list[ShiftMark] = []
         self.meter = RateMeter()
+        self._kinds: dict[int, str] = {}
+        self._shift_sub = None
+        self._finished: ShiftFinished | None = None
+
+    def _on_shift_event(self, msg: object) -> None:
+        # the Controller publishes ShiftFinished and the AllocationChanged it caused together
+        if isinstance(msg, ShiftStarted):
+            self._kinds[msg.txn] = msg.kind
+        elif isinstance(msg, ShiftFinished):
+            self._finished = msg
+        elif isinstance(msg, AllocationChanged):
+            counts: dict[str, int] = {}
+            for replica in msg.replicas:
+                role = str(getattr(replica.role, "value", replica.role))
+                counts[role] = counts.get(role, 0) + len(replica.devices)
+            done, self._finished = self._finished, None
+            if done is None:
+                return  # the allocation after recovery, not a shift
+            mark = ShiftMark(
+                t=done.at - self.origin,
+                kind=self._kinds.pop(done.txn, "shift"),
+                allocation=counts,
+                seconds=done.seconds,
+            )
+            self.shifts.append(mark)
+            if self.on_shift is not None:
+                self.on_shift(mark)
+
+    async def on_stop(self) -> None:
+        if self._shift_sub is not None:  # what arrived since the last sample still counts
+            for pub in self._shift_sub.drain():
+                self._on_shift_event(pub.message)
 
     async def run(self) -> None:
         loads = self.subscribe("load", publishers=self.agents)
+        shifts = self.subscribe("shift", publishers=self.controller) if self.controller else None
+        self._shift_sub = shifts
+        if self.origin is None:
+            self.origin = self.clock.now()
         self.meter.sample(self.clock.now())
         while True:
             await self.clock.sleep(self.interval)
+            if shifts is not None:
+                for pub in shifts.drain():
+                    self._on_shift_event(pub.message)
             for pub in loads.drain():
                 if isinstance(pub.message, ReplicaLoad):
                     m = pub.message

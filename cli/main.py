@@ -67,8 +67,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="run an RL job from a TOML config")
     p.add_argument("config", nargs="?", default=DEFAULT_CONFIG, help=f"default {DEFAULT_CONFIG}")
-    p.add_argument("--run-dir", default=None, help="where logs and metrics go (default runs/<time>)")
+    p.add_argument(
+        "--run-dir", default=None, help="where logs and metrics go (default runs/<time>)"
+    )
     p.add_argument("--seed", type=int, default=None, help="override the config's seed")
+    p.add_argument(
+        "--deployment",
+        choices=["pivot", "disaggregated"],
+        default=None,
+        help="override the config's deployment.kind",
+    )
     p.set_defaults(func=_cmd_run)
 
     bench = sub.add_parser("bench", help="benchmarks that print numbers")

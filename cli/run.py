@@ -1,10 +1,12 @@
-"""`pivot run`: start the job's actors over nng ipc:// and show its progress live.
+"""`pivot run`: a real GRPO job with a generative reward model, its actors over nng ipc://.
 
-What runs today (and what the output says): rollout and GenRM judging. The Driver and the
-rollout and reward Schedulers live in this process; one RoleAgent per CPU device runs in its
-own child process: the first devices serve the tiny policy, the last ``reward_devices`` the
-tiny GenRM, each on a torch engine. The trainer and live shifting are not wired in yet, so the
-policy does not change between steps.
+Processes: one RoleAgent per CPU device (each holds a torch engine for the policy and one for
+the GenRM, so it can serve either role), one DeepSpeed rank per trainer-pool device, and in
+this process the Driver, the rollout and reward Schedulers, the Controller (deployment
+``pivot``) and a Monitor. The trainer writes each new policy to the GPS host store; rollout
+replicas read it before serving the next step. Under ``pivot`` the Controller shifts shared
+devices between rollout and reward and lends the trainer pool to inference while the trainer
+waits; under ``disaggregated`` the pools stay fixed.
 """
 
 from __future__ import annotations
@@ -22,27 +24,32 @@ from pathlib import Path
 import msgspec
 
 import pivot
+from pivot.actors import shift_messages, sources, trainer_messages  # noqa: F401 (messages)
+from pivot.actors.controller import Controller, ControllerSettings, open_journal
 from pivot.actors.driver import Driver, StepReport
 from pivot.actors.messages import rl_messages
 from pivot.actors.monitor import Monitor
 from pivot.actors.scheduler import Scheduler
+from pivot.actors.shift_messages import AllocationReport, QueryAllocation, TrainerPhaseChanged
 from pivot.actors.sources import TaskSource
 from pivot.bus import Bus, Directory, RestartPolicy, Supervisor, configure_logging, run_real
 from pivot.cli.plot import plot_run
-from pivot.cluster import Role
+from pivot.cluster import ClusterSpec, Device, Pool, Role, RoleSpec
 from pivot.config import ConfigError, load_toml
 from pivot.cost import CostModel
 from pivot.engine import SamplingParams
 from pivot.job import JobConfig
 from pivot.routing import RouterSettings, make_router
-from pivot.timeline import RoleSample, TrainSpan
+from pivot.timeline import RoleSample, ShiftMark, TrainSpan
 from pivot.tokenizer import TextCodec
 
 ASSETS = Path(pivot.__file__).resolve().parent / "assets"
 
-# Estimate, not a measurement: per-step cost of the tiny policy on one CPU thread, only used to
-# rank replicas by their next inter-token latency (all replicas share it, so it orders by load).
+# Estimate, not a measurement: the tiny models' per-step cost on one CPU thread. It ranks
+# replicas for routing and is the planner's prior; the Controller sees measured latencies.
 TINY_CPU_COST = CostModel(a=2e-7, b=1e-3, c=5e-5, d=5e-4)
+
+_SHORT = {"rollout": "RO", "reward": "RM", "training": "TR"}
 
 
 def resolve_model(name: str, source: str, key: str) -> Path:
@@ -67,140 +74,244 @@ def _default_run_dir() -> Path:
     return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
 
 
-def _agent_kwargs(job: JobConfig, directory: Directory, model: Path, role: Role, seed: int) -> dict:
-    return {
-        "directory": directory.to_dict(),
-        "model": str(model),
-        "role": role.value,
-        "scheduler": f"{role.value}-scheduler",
-        "max_running": job.model.max_running,
-        "threads": job.cluster.threads_per_device,
-        "seed": seed,
-    }
+def _allocation_text(allocation: dict[str, int]) -> str:
+    return " ".join(f"{_SHORT.get(r, r)}{n}" for r, n in sorted(allocation.items()) if n)
 
 
-async def _run(
-    job: JobConfig, policy: Path, genrm: Path | None, run_dir: Path, console
-) -> list[StepReport]:
-    devices = job.cluster.devices
-    reward_devices = job.cluster.reward_devices if genrm is not None else 0
-    roles = [Role.ROLLOUT] * (devices - reward_devices) + [Role.REWARD] * reward_devices
-    agents = [f"agent-{i}" for i in range(devices)]
-    schedulers = ["rollout-scheduler"] + (["reward-scheduler"] if genrm is not None else [])
-    names = ["driver", "monitor", *schedulers, *agents]
-    # ipc paths must stay under ~100 bytes, so sockets live in a short temporary folder
-    sockets = Path(tempfile.mkdtemp(prefix="pivot-"))
-    directory = Directory.ipc(sockets, names)
-    bus = Bus.nng(directory, rl_messages())
-    codec = TextCodec.from_dir(policy)
-    metrics = (run_dir / "metrics.jsonl").open("ab")
-    timeline = (run_dir / "timeline.jsonl").open("ab")
+class Job:
+    """The actors of one `pivot run`, assembled from the config."""
 
-    def on_sample(samples: list[RoleSample]) -> None:
-        for sample in samples:
-            timeline.write(msgspec.json.encode(sample) + b"\n")
-        timeline.flush()
+    def __init__(
+        self, job: JobConfig, policy: Path, genrm: Path | None, run_dir: Path, console
+    ) -> None:
+        self.job = job
+        self.policy = policy
+        self.genrm = genrm
+        self.run_dir = run_dir
+        self.console = console
+        c = job.cluster
+        self.devices = list(range(c.devices))
+        self.trainer_pool = tuple(range(c.devices - c.trainer_devices, c.devices))
+        self.agents = [f"agent-{d}" for d in self.devices]
+        self.trainers = [f"trainer-{r}" if r else "trainer" for r in range(c.trainer_devices)]
+        self.schedulers = {Role.ROLLOUT: "rollout-scheduler"}
+        if genrm is not None:
+            self.schedulers[Role.REWARD] = "reward-scheduler"
+        self.pivot = job.deployment.kind == "pivot"
+        names = ["driver", "monitor", "controller", *self.schedulers.values()]
+        # ipc paths must stay under ~100 bytes, so sockets live in a short temporary folder
+        self.sockets = Path(tempfile.mkdtemp(prefix="pivot-"))
+        self.directory = Directory.ipc(self.sockets, [*names, *self.agents, *self.trainers])
+        self.bus = Bus.nng(self.directory, rl_messages())
+        self.store = f"pivot-gps-{os.getpid()}"
 
-    def on_step(report: StepReport) -> None:
-        metrics.write(msgspec.json.encode(report) + b"\n")
-        metrics.flush()
-        agree = "" if report.genrm_agreement is None else f"  genrm {report.genrm_agreement:4.2f}"
-        console.print(
-            f"step {report.step:3d}  reward {report.reward_mean:5.3f}  "
-            f"exact {report.accuracy:5.3f}{agree}  {report.samples_per_s:6.1f} samples/s  "
-            f"{report.tokens_per_s:6.0f} tok/s"
-        )
+    def initial_roles(self) -> dict[int, Role]:
+        """Shared devices: rollout first, then reward; the trainer pool starts with the trainer."""
+        shared = [d for d in self.devices if d not in self.trainer_pool]
+        rollout = self.job.deployment.rollout_devices if self.genrm is not None else len(shared)
+        return {
+            d: (Role.ROLLOUT if i < rollout else Role.REWARD) if d in shared else Role.FREE
+            for i, d in enumerate(self.devices)
+        }
 
-    def router():
+    def _router(self):
         return make_router(
-            RouterSettings(policy="lowest_itl", max_concurrent_per_replica=job.model.max_running),
+            RouterSettings(
+                policy="lowest_itl", max_concurrent_per_replica=self.job.model.max_running
+            ),
             TINY_CPU_COST,
         )
 
-    expected = {"rollout-scheduler": roles.count(Role.ROLLOUT)}
-    if genrm is not None:
-        expected["reward-scheduler"] = reward_devices
-    r = job.rollout
-    source = TaskSource(
-        codec,
-        seed=job.seed,
-        prompts_per_step=r.prompts_per_step,
-        samples_per_prompt=r.samples_per_prompt,
-        sampling=SamplingParams(
-            max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p
-        ),
-        judged=genrm is not None,
-        judgment_tokens=job.reward.max_new_tokens,
-    )
-    driver = Driver(
-        "driver",
-        bus,
-        source=source,
-        steps=job.steps,
-        rollout_scheduler="rollout-scheduler",
-        reward_scheduler="reward-scheduler" if genrm is not None else None,
-        on_step=on_step,
-        replicas=expected,
-    )
-    once = RestartPolicy(restart="never")
-    sup = Supervisor(policy=RestartPolicy(max_restarts=2, window=60.0))
-    for scheduler in schedulers:
-        role = Role.ROLLOUT if scheduler.startswith("rollout") else Role.REWARD
-        sup.add_actor(
-            scheduler,
-            lambda role=role, scheduler=scheduler: Scheduler(
-                scheduler, bus, role=role, router=router(), downstream="driver"
+    def add_agents(self, sup: Supervisor) -> None:
+        checkpoints = {"rollout": str(self.policy)}
+        if self.genrm is not None:
+            checkpoints["reward"] = str(self.genrm)
+        for device, role in self.initial_roles().items():
+            scheduler = self.schedulers.get(role)
+            sup.add_process(
+                self.agents[device],
+                "pivot.actors.agent:torch_agent",
+                kwargs={
+                    "directory": self.directory.to_dict(),
+                    "role": role.value,
+                    "scheduler": scheduler,
+                    "checkpoints": checkpoints,
+                    "stores": {"rollout": self.store},
+                    "device": device,
+                    "max_running": self.job.model.max_running,
+                    "threads": self.job.cluster.threads_per_device,
+                    "seed": self.job.seed * 1000 + device,
+                },
+                env={"OMP_NUM_THREADS": str(self.job.cluster.threads_per_device)},
+                ready_timeout=180.0,
+            )
+
+    def add_trainer(self, sup: Supervisor) -> None:
+        from pivot.actors.trainer import add_trainer_group
+
+        add_trainer_group(
+            sup,
+            "trainer",
+            directory=self.directory,
+            checkpoint=self.policy,
+            world_size=self.job.cluster.trainer_devices,
+            run_dir=self.sockets,
+            store_name=self.store,
+            settings=self.job.training,
+            threads=self.job.cluster.threads_per_device,
+            # under pivot, a batch that finds the pool lent asks the Controller to reclaim it
+            controller="controller" if self.pivot else None,
+        )
+
+    def controller(self) -> Controller:
+        spec = ClusterSpec(
+            [
+                Device(d, 0, Pool.TRAINER if d in self.trainer_pool else Pool.SHARED)
+                for d in self.devices
+            ],
+            {
+                Role.ROLLOUT: RoleSpec(model="policy"),
+                Role.REWARD: RoleSpec(model="genrm"),
+            },
+        )
+        control = self.job.control
+        return Controller(
+            "controller",
+            self.bus,
+            spec=spec,
+            agents=dict(enumerate(self.agents)),
+            schedulers=self.schedulers,
+            journal=open_journal(self.run_dir / "shift.journal"),
+            cost_models={Role.ROLLOUT: TINY_CPU_COST, Role.REWARD: TINY_CPU_COST},
+            trainer="trainer",
+            settings=ControllerSettings(
+                interval_s=control.interval_s,
+                command_timeout_s=control.command_timeout_s,
+                planner=control.planner,
             ),
-            policy=once,
+            timer=time.perf_counter,
         )
-    sup.add_actor("driver", lambda: driver, policy=once)
-    monitor = Monitor(
-        "monitor",
-        bus,
-        agents=agents,
-        schedulers={s.removesuffix("-scheduler"): s for s in schedulers},
-        on_sample=on_sample,
-        origin=bus.clock.now(),
-    )
-    sup.add_actor("monitor", lambda: monitor, policy=once)
-    for i, (agent, role) in enumerate(zip(agents, roles, strict=True)):
-        model = policy if role is Role.ROLLOUT else genrm
-        assert model is not None
-        sup.add_process(
-            agent,
-            "pivot.actors.agent:torch_agent",
-            kwargs=_agent_kwargs(job, directory, model, role, job.seed * 1000 + i),
-            env={"OMP_NUM_THREADS": str(job.cluster.threads_per_device)},
-            ready_timeout=120.0,
+
+    async def run(self) -> tuple[list[StepReport], Monitor]:
+        job, run_dir, console = self.job, self.run_dir, self.console
+        metrics = (run_dir / "metrics.jsonl").open("ab")
+        timeline = (run_dir / "timeline.jsonl").open("ab")
+        codec = TextCodec.from_dir(self.policy)
+
+        def on_step(report: StepReport) -> None:
+            metrics.write(msgspec.json.encode(report) + b"\n")
+            metrics.flush()
+            agree = (
+                "" if report.genrm_agreement is None else f" genrm {report.genrm_agreement:4.2f}"
+            )
+            loss = f" loss {report.train['loss']:+.3f}" if report.train else ""
+            console.print(
+                f"step {report.step:3d}  reward {report.reward_mean:5.3f}  exact "
+                f"{report.accuracy:5.3f}{agree}{loss}  {report.samples_per_s:5.1f} samples/s "
+                f"{report.tokens_per_s:5.0f} tok/s  shifts {len(monitor.shifts)}"
+            )
+
+        def on_sample(samples: list[RoleSample]) -> None:
+            for sample in samples:
+                timeline.write(msgspec.json.encode(sample) + b"\n")
+            timeline.flush()
+
+        def on_shift(mark: ShiftMark) -> None:
+            timeline.write(msgspec.json.encode(mark) + b"\n")
+            console.print(
+                f"    shift ({mark.kind}, {mark.seconds:.2f} s): {_allocation_text(mark.allocation)}",
+                style="cyan",
+            )
+
+        r = job.rollout
+        source = TaskSource(
+            codec,
+            seed=job.seed,
+            prompts_per_step=r.prompts_per_step,
+            samples_per_prompt=r.samples_per_prompt,
+            sampling=SamplingParams(
+                max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p
+            ),
+            judged=self.genrm is not None,
+            judgment_tokens=job.reward.max_new_tokens,
         )
-    sup.install_signal_handlers()
-    try:
-        await sup.start()
-        done = asyncio.ensure_future(driver.finished.wait())
-        failed = asyncio.ensure_future(sup.wait())
-        await asyncio.wait([done, failed], return_when=asyncio.FIRST_COMPLETED)
-        if failed.done():
-            failed.result()  # raises the escalation
-        failed.cancel()
-    finally:
-        await sup.stop()
-        sup.remove_signal_handlers()
-        metrics.close()
-        timeline.close()
-        shutil.rmtree(sockets, ignore_errors=True)
-    trains = [
-        TrainSpan(
-            start=r.started_s + r.seconds - r.train_s - monitor.origin,
-            end=r.started_s + r.seconds - monitor.origin,
-            version=r.policy_version + 1,
+        roles = list(self.initial_roles().values())
+        expected = {self.schedulers[Role.ROLLOUT]: roles.count(Role.ROLLOUT)}
+        if self.genrm is not None:
+            expected[self.schedulers[Role.REWARD]] = roles.count(Role.REWARD)
+        driver = Driver(
+            "driver",
+            self.bus,
+            source=source,
+            steps=job.steps,
+            rollout_scheduler=self.schedulers[Role.ROLLOUT],
+            reward_scheduler=self.schedulers.get(Role.REWARD),
+            trainer="trainer",
+            on_step=on_step,
+            replicas=expected,
+            on_batch_ready=self._batch_ready if self.pivot else None,
+            before_first_step=self._controller_ready if self.pivot else None,
         )
-        for r in driver.reports
-        if r.train is not None
-    ]
-    plot_run(
-        monitor.samples, [], trains, run_dir / "throughput.png", title=f"pivot run: {run_dir.name}"
-    )
-    return driver.reports
+        monitor = Monitor(
+            "monitor",
+            self.bus,
+            agents=self.agents,
+            schedulers={role.value: name for role, name in self.schedulers.items()},
+            on_sample=on_sample,
+            on_shift=on_shift,
+            controller="controller" if self.pivot else None,
+            interval=0.1,
+        )
+        self._driver = driver
+        once = RestartPolicy(restart="never")
+        sup = Supervisor(policy=RestartPolicy(max_restarts=2, window=60.0))
+        # in this order: agents register with their scheduler as they start
+        for role, name in self.schedulers.items():
+            sup.add_actor(
+                name,
+                lambda role=role, name=name: Scheduler(
+                    name, self.bus, role=role, router=self._router(), downstream="driver"
+                ),
+                policy=once,
+            )
+        self.add_trainer(sup)
+        self.add_agents(sup)
+        if self.pivot:
+            sup.add_actor("controller", self.controller, policy=once)
+        sup.add_actor("monitor", lambda: monitor, policy=once)
+        sup.add_actor("driver", lambda: driver, policy=once)
+        sup.install_signal_handlers()
+        try:
+            await sup.start()
+            done = asyncio.ensure_future(driver.finished.wait())
+            failed = asyncio.ensure_future(sup.wait())
+            await asyncio.wait([done, failed], return_when=asyncio.FIRST_COMPLETED)
+            if failed.done():
+                failed.result()  # raises the escalation
+            failed.cancel()
+        finally:
+            await sup.stop()
+            await self.bus.close()
+            sup.remove_signal_handlers()
+            metrics.close()
+            timeline.close()
+            shutil.rmtree(self.sockets, ignore_errors=True)
+        return driver.reports, monitor
+
+    async def _controller_ready(self) -> None:
+        """Step 0 starts once the Controller has recovered and lent the idle trainer pool."""
+        while True:
+            report = await self._driver.request(
+                "controller", QueryAllocation(), expect=AllocationReport, timeout=30.0
+            )
+            lent = not any(m.role is Role.TRAINING for m in report.replicas)
+            if report.recovered and report.txn is None and lent:
+                return
+            await self._driver.clock.sleep(0.05)
+
+    async def _batch_ready(self) -> None:
+        """Tell the Controller the trainer needs its pool back now, not at its next tick."""
+        await self._driver.request("controller", TrainerPhaseChanged(phase="ready"), timeout=10.0)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -209,6 +320,10 @@ def main(args: argparse.Namespace) -> int:
     job = load_toml(args.config, JobConfig)
     if args.seed is not None:
         job = msgspec.structs.replace(job, seed=args.seed)
+    if args.deployment is not None:
+        job = msgspec.structs.replace(
+            job, deployment=msgspec.structs.replace(job.deployment, kind=args.deployment)
+        )
     job.validate(args.config)
     policy = resolve_model(job.model.policy, args.config, "model.policy")
     genrm = (
@@ -219,18 +334,13 @@ def main(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
     console = Console(soft_wrap=True)
-    if genrm is None:
-        stages = f"rollout on {job.cluster.devices} CPU devices, scored by the exact checker"
-    else:
-        r = job.cluster.reward_devices
-        stages = (
-            f"rollout on {job.cluster.devices - r} and GenRM judging on {r} CPU devices "
-            "(static split)"
-        )
+    c, d = job.cluster, job.deployment
+    judge = "GenRM judging" if genrm is not None else "the exact checker scoring"
     console.print(
-        f"[bold]pivot run[/bold] {args.config}: {stages}; torch engines, actors over nng ipc://."
-        f"\n[yellow]Not yet wired in: the trainer and live shifting, so the policy stays "
-        f"fixed.[/yellow]\nrun dir: {run_dir}"
+        f"[bold]pivot run[/bold] {args.config}: GRPO, {job.steps} steps of "
+        f"{job.rollout.prompts_per_step}x{job.rollout.samples_per_prompt} samples; {judge}; "
+        f"{c.devices} CPU devices ({c.trainer_devices} trainer pool, ZeRO-{job.training.zero_stage}"
+        f"); deployment {d.kind}; torch engines and DeepSpeed over nng ipc://\nrun dir: {run_dir}"
     )
     # actors' JSON logs (ours and the children's, which inherit stderr) go to the run dir
     saved_stderr = os.dup(2)
@@ -239,8 +349,9 @@ def main(args: argparse.Namespace) -> int:
     sys.stderr = os.fdopen(os.dup(2), "w", buffering=1)
     configure_logging(os.environ.get("PIVOT_LOG_LEVEL", "info"), stream=sys.stderr)
     started = time.perf_counter()
+    runner = Job(job, policy, genrm, run_dir, console)
     try:
-        reports = run_real(_run(job, policy, genrm, run_dir, console))
+        reports, monitor = run_real(runner.run())
     finally:
         with contextlib.suppress(Exception):
             sys.stderr.flush()
@@ -248,10 +359,35 @@ def main(args: argparse.Namespace) -> int:
         sys.stderr = sys.__stderr__
         log.close()
     wall = time.perf_counter() - started
-    samples = sum(r.samples for r in reports)
+    trains = [
+        TrainSpan(
+            start=r.started_s + r.seconds - r.train_s - monitor.origin,
+            end=r.started_s + r.seconds - monitor.origin,
+            version=r.policy_version + 1,
+        )
+        for r in reports
+        if r.train is not None
+    ]
+    plot = plot_run(
+        monitor.samples,
+        monitor.shifts,
+        trains,
+        run_dir / "throughput.png",
+        title=f"pivot run ({d.kind}): {run_dir.name}",
+    )
+    kinds = {}
+    for mark in monitor.shifts:
+        kinds[mark.kind] = kinds.get(mark.kind, 0) + 1
+    first, last = reports[:5], reports[-5:]
+
+    def mean(rs: list[StepReport]) -> float:
+        return sum(r.reward_mean for r in rs) / max(len(rs), 1)
+
     console.print(
-        f"done: {len(reports)} steps, {samples} samples in {wall:.1f} s; "
-        f"metrics in {run_dir / 'metrics.jsonl'}, throughput plot in "
-        f"{run_dir / 'throughput.png'}, logs in {run_dir / 'actors.log'}"
+        f"done: {len(reports)} steps in {wall:.1f} s; reward {mean(first):.3f} (first 5 steps) "
+        f"-> {mean(last):.3f} (last 5); shifts {sum(kinds.values())} {kinds}\n"
+        f"metrics {run_dir / 'metrics.jsonl'}, plot {plot}, "
+        + (f"journal {run_dir / 'shift.journal'}, " if d.kind == "pivot" else "")
+        + f"logs {run_dir / 'actors.log'}"
     )
     return 0

@@ -13,10 +13,10 @@ import pytest
 PIVOT = [sys.executable, "-m", "pivot.cli.main"]
 
 
-def _pivot(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [*PIVOT, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd
-    )
+def _pivot(
+    *args: str, cwd: Path | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess:
+    return subprocess.run([*PIVOT, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
 
 def test_help_and_version():
@@ -84,12 +84,15 @@ def _children_of(pid: int) -> list[int]:
     return found
 
 
-def test_run_completes_writes_metrics_and_leaves_no_processes(tmp_path, random_checkpoint):
+def test_run_trains_shifts_and_leaves_no_processes(tmp_path, random_checkpoint):
+    """The whole pipeline on a random tiny checkpoint: rollout, GenRM judging, DeepSpeed
+    steps, the Controller lending and reclaiming the trainer pool, then a clean exit."""
     config = tmp_path / "job.toml"
     config.write_text(
-        f"steps = 2\n[cluster]\ndevices = 3\nreward_devices = 1\n"
+        f"steps = 3\n[cluster]\ndevices = 3\ntrainer_devices = 1\n"
         f"[model]\npolicy = '{random_checkpoint}'\ngenrm = '{random_checkpoint}'\n"
-        "[rollout]\nprompts_per_step = 3\nsamples_per_prompt = 2\nmax_new_tokens = 8\n"
+        "[rollout]\nprompts_per_step = 4\nsamples_per_prompt = 3\nmax_new_tokens = 12\n"
+        "[reward]\nmax_new_tokens = 8\n"
     )
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
@@ -98,21 +101,52 @@ def test_run_completes_writes_metrics_and_leaves_no_processes(tmp_path, random_c
         stderr=subprocess.PIPE,
         text=True,
     )
-    stdout, stderr = proc.communicate(timeout=180)
+    stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr + stdout
-    # it says what it ran, and what it does not do yet
-    assert "rollout on 2 and GenRM judging on 1 CPU devices" in stdout
-    assert "Not yet wired in" in stdout
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    reports = [json.loads(line) for line in lines]
-    assert [r["step"] for r in reports] == [0, 1]
-    assert all(r["samples"] == 6 for r in reports)
-    assert all(sum(r["rollout_by_replica"].values()) == 6 for r in reports)
-    assert all(r["reward_by_replica"] == {"agent-2": 6} for r in reports)
-    log = (run_dir / "actors.log").read_text()
-    assert log.count('"replica registered"') == 3
+    assert "deployment pivot" in stdout and "done: 3 steps" in stdout
+    reports = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in reports] == [0, 1, 2]
+    # every sample answered and judged exactly once, on whichever replica held it
+    assert all(r["samples"] == 12 for r in reports)
+    assert all(sum(r["rollout_by_replica"].values()) == 12 for r in reports)
+    assert all(sum(r["reward_by_replica"].values()) == 12 for r in reports)
+    # each step trained and the next step's sequences carried the new policy version
+    assert [r["policy_version"] for r in reports] == [0, 1, 2]
+    assert [r["train"]["version"] for r in reports] == [1, 2, 3]
+    # the trainer pool was lent to inference and reclaimed (the last reclaim may land after
+    # the monitor stopped)
+    marks = [json.loads(line) for line in (run_dir / "timeline.jsonl").read_text().splitlines()]
+    kinds = [m["kind"] for m in marks if "kind" in m]
+    assert kinds.count("reclaim_trainer") >= 2 and "lend_trainer" in kinds
+    assert (run_dir / "shift.journal").stat().st_size > 0
+    assert (run_dir / "throughput.png").read_bytes()[:4] == b"\x89PNG"
     assert _children_of(proc.pid) == []
     assert not any(p for p in _children_of(os.getpid()) if p != proc.pid and _is_agent(p))
+
+
+def test_run_disaggregated_keeps_its_pools(tmp_path, random_checkpoint):
+    config = tmp_path / "job.toml"
+    config.write_text(
+        f"steps = 2\n[cluster]\ndevices = 3\ntrainer_devices = 1\n"
+        f"[model]\npolicy = '{random_checkpoint}'\ngenrm = '{random_checkpoint}'\n"
+        "[rollout]\nprompts_per_step = 2\nsamples_per_prompt = 2\nmax_new_tokens = 6\n"
+        "[reward]\nmax_new_tokens = 6\n"
+    )
+    run_dir = tmp_path / "run"
+    out = _pivot(
+        "run",
+        str(config),
+        "--run-dir",
+        str(run_dir),
+        "--deployment",
+        "disaggregated",
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr + out.stdout
+    reports = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [set(r["rollout_by_replica"]) for r in reports] == [{"agent-0"}] * 2
+    assert [set(r["reward_by_replica"]) for r in reports] == [{"agent-1"}] * 2
+    assert "    shift (" not in out.stdout and "shifts 0 {}" in out.stdout
 
 
 def _is_agent(pid: int) -> bool:
