@@ -291,6 +291,11 @@ class RoleAgent(Actor):
 
     # --- shifting ---------------------------------------------------------------------------
 
+    @property
+    def held_sequences(self) -> frozenset[int]:
+        """Sequences in the engine now: assigned, not finished or aborted (for checkers)."""
+        return frozenset(self._held)
+
     def state(self) -> AgentState:
         engine = self.engine
         stats = engine.stats() if engine is not None else None

@@ -93,4 +93,3 @@ def main(threads: int | None = None, repeat: int = 10) -> None:
         )
         for name, want in state.items():
             assert torch.equal(whole_into[name], want), name
-

@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_run)
 
+    from pivot.cli import simulate
+
+    simulate.add_parser(sub)
+
     bench = sub.add_parser("bench", help="benchmarks that print numbers")
     bsub = bench.add_subparsers(dest="bench", metavar="WHAT", required=True)
     p = bsub.add_parser("bus", help="actor layer vs raw pynng: round trip and pub/sub rate")

@@ -137,6 +137,9 @@ class EngineStats(msgspec.Struct, frozen=True):
     mean_step_s: float
     weights_version: int
     released: tuple[ContextKind, ...]
+    # every parameter loaded: False after release/resume until load_weights (engines that
+    # load all weights at once are always ready)
+    weights_ready: bool = True
 
 
 class EngineError(RuntimeError):

@@ -11,9 +11,10 @@ The response is long enough (23 tokens with eos) that rollout decoding is real w
 has several small steps a tiny model gets partly right, so a short SFT leaves it weak but not
 at zero and RL has room to push it up.
 
-The GenRM reads (prompt, response, reference) and writes a short judgment (about 20 tokens)
-that ends in a verdict, e.g. "132 vs 132: correct" or "133 vs 132: wrong";
-``parse_judgment`` turns that into a score. Anything else is malformed: score 0, flagged,
+The GenRM reads (prompt, response, reference) and writes a judgment (about 23 tokens) that
+compares the answer with the reference column by column and ends in a verdict, e.g.
+"11= 33= 22= __=: correct" or "11= 33= 32x __=: wrong"; ``parse_judgment`` turns that into a
+score. Anything else is malformed: score 0, flagged,
 and counted by ``JudgmentTally``.
 """
 
@@ -26,9 +27,11 @@ import msgspec
 
 DIGITS = 2
 ANSWER_MARK = ">"
-# longest answer the checker accepts (a sum of two DIGITS-digit numbers has at most DIGITS + 1);
-# longer digit strings count as no answer
-MAX_ANSWER_CHARS = DIGITS + 2
+# longest answer the checker accepts; longer digit strings count as no answer
+MAX_ANSWER_CHARS = 9
+# the judgment compares answers in fields this wide (or wider, for longer answers): a sum of
+# two DIGITS-digit numbers has at most DIGITS + 1 digits
+FIELD_WIDTH = DIGITS + 1
 CORRECT = "correct"
 WRONG = "wrong"
 UNPARSED = "?"
@@ -104,26 +107,36 @@ def is_correct(response: str, reference: str) -> bool:
     return final_answer(response) == reference
 
 
+def answer_field(text: str | None, width: int = FIELD_WIDTH) -> str:
+    """An answer written left-aligned in a field of at least ``width`` characters padded with
+    '_'; '?' fills the field when there is no answer."""
+    if text is None:
+        return UNPARSED * width
+    return text.ljust(width, "_")
+
+
 def genrm_prompt(prompt: str, response: str, reference: str) -> str:
-    """What the GenRM reads; its judgment continues right after the trailing 'J '."""
-    return f"Q {prompt}\nA {response}\nR {reference}\nJ "
+    """What the GenRM reads; its judgment continues right after the trailing 'J '.
+
+    The reference is shown in its answer field (padded with '_'), the form the judgment
+    compares against.
+    """
+    return f"Q {prompt}\nA {response}\nR {answer_field(reference)}\nJ "
 
 
 def ideal_judgment(response: str, reference: str) -> str:
-    """The judgment the GenRM is trained to write, e.g. "163_ vs 153_ =x==: wrong".
+    """The judgment the GenRM is trained to write, e.g. "11= 64x 33= __=: wrong".
 
-    The answer found in the response and the reference are written left-aligned in fields of
-    MAX_ANSWER_CHARS (padded with '_'; '?' fills the field when there is no answer), then one
-    mark per column ('=' same, 'x' different), then the verdict. Fixed-width fields put every
-    pair of digits to compare at the same distance, which a tiny model learns quickly.
+    One group per column of the answer fields: the response's character, the reference's
+    character, then '=' (same) or 'x' (different); then the verdict. Each group puts the two
+    characters to compare right before their mark, a local check a tiny model learns quickly.
     """
     got = final_answer(response)
-    width = max(MAX_ANSWER_CHARS, len(reference))
-    field = (got if got is not None else UNPARSED * width).ljust(width, "_")
-    ref = reference.ljust(width, "_")
-    marks = "".join("=" if g == r else "x" for g, r in zip(field, ref, strict=True))
+    width = max(FIELD_WIDTH, len(reference), len(got or ""))
+    pairs = zip(answer_field(got, width), answer_field(reference, width), strict=True)
+    groups = " ".join(g + r + ("=" if g == r else "x") for g, r in pairs)
     verdict = CORRECT if got == reference else WRONG
-    return f"{field} vs {ref} {marks}: {verdict}"
+    return f"{groups}: {verdict}"
 
 
 class Judgment(msgspec.Struct, frozen=True):

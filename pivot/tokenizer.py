@@ -20,7 +20,7 @@ SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
 
 # Everything the arithmetic task and its judgments write, plus letters so that odd text still
 # maps to real tokens rather than <unk>.
-ALPHABET = string.digits + " +-=>:?|.,\n" + string.ascii_lowercase + string.ascii_uppercase
+ALPHABET = string.digits + " +-=>:?|.,_\n" + string.ascii_lowercase + string.ascii_uppercase
 
 
 def build_tokenizer(alphabet: str = ALPHABET) -> Tokenizer:

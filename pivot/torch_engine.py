@@ -225,7 +225,9 @@ class TorchEngine:
                 f"max_seq_len must be in 2..{spec.max_position_embeddings} "
                 f"(max_position_embeddings), got {self.max_seq_len}"
             )
-        self.eos_token_ids = frozenset(spec.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        self.eos_token_ids = frozenset(
+            spec.eos_token_ids if eos_token_ids is None else eos_token_ids
+        )
         self.dtype = dtype
         self._clock = clock
         self._seed = seed
@@ -247,6 +249,9 @@ class TorchEngine:
         self._cos, self._sin = self._rope_tables()
         if tensors is not None:
             self.load_weights(tensors, weights_version)
+            missing = sorted(set(self._weights.views) - self._loaded)
+            if missing:
+                raise ValueError(f"checkpoint lacks {len(missing)} parameters, e.g. {missing[:3]}")
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **kwargs) -> TorchEngine:
@@ -345,7 +350,9 @@ class TorchEngine:
                 unknown.append(name)
                 continue
             if not isinstance(tensor, torch.Tensor):
-                raise ValueError(f"load_weights: '{name}' is a {type(tensor).__name__}, not a tensor")
+                raise ValueError(
+                    f"load_weights: '{name}' is a {type(tensor).__name__}, not a tensor"
+                )
             if tuple(tensor.shape) != tuple(target.shape):
                 raise ValueError(
                     f"load_weights: '{name}' has shape {tuple(tensor.shape)}, "
@@ -401,6 +408,9 @@ class TorchEngine:
             raise EngineNotServing(
                 f"cannot {action}: transient context (KV cache) is released; resume(['transient'])"
             )
+        self._check_weights(action)
+
+    def _check_weights(self, action: str) -> None:
         if self._weights is None:
             raise EngineNotServing(
                 f"cannot {action}: weights are released; load_weights(...) or resume(['weights']) "
@@ -566,6 +576,23 @@ class TorchEngine:
             prefill_tokens=prefill_tokens,
         )
 
+    @torch.inference_mode()
+    def prompt_logits(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Logits (float32, [len, vocab]) at every position of one token sequence, computed
+        without the KV cache: for checks against other implementations and for scoring."""
+        self._check_weights("compute logits")
+        ids = torch.tensor([list(token_ids)], dtype=torch.long)
+        width = ids.shape[1]
+        if not 1 <= width <= self.max_seq_len:
+            raise ValueError(f"need 1..{self.max_seq_len} tokens, got {width}")
+        cos, sin = self._cos[:width][None, None], self._sin[:width][None, None]
+        h = F.embedding(ids, self._weights.embed)
+        for layer in self._weights.layers:
+            q, k, v = self._qkv(h, layer, cos, sin)
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            h = self._finish_layer(h, attn, layer)
+        return self._logits(h[0])
+
     def _prefill(self, seqs: list[_Sequence]) -> torch.Tensor:
         """Run prompt + generated of each sequence into its slot; logits of each last token."""
         contexts = [s.prompt_ids + s.output_ids for s in seqs]
@@ -638,7 +665,9 @@ class TorchEngine:
         s, w = self.spec, self._weights
         return F.linear(F.rms_norm(h, (s.hidden_size,), w.norm, s.rms_norm_eps), w.lm_head).float()
 
-    def _sample(self, seqs: list[_Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(
+        self, seqs: list[_Sequence], logits: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Next token and its logprob per row: greedy rows take the argmax; sampled rows take
         the Gumbel-max over top-p-truncated log-probabilities, with noise drawn from a
         generator seeded by (sequence seed, output position)."""
@@ -681,6 +710,8 @@ class TorchEngine:
             last_step_s=self._last_step_s,
             mean_step_s=self._mean_step_s,
             weights_version=self.weights_version,
+            weights_ready=self._weights is not None
+            and len(self._loaded) == len(self._weights.views),
             released=tuple(sorted(self._released)),
         )
 

@@ -50,7 +50,7 @@ class OracleEngine:
         prompt = CODEC.decode(prompt_ids)
         if prompt.startswith("Q "):  # a GenRM prompt: judge like the ideal judge
             _, response, reference = (line[2:] for line in prompt.splitlines()[:3])
-            text = ideal_judgment(response, reference)
+            text = ideal_judgment(response, reference.rstrip("_"))
         else:
             text = worked_response(prompt)
             if seed % 2:

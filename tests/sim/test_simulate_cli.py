@@ -1,0 +1,101 @@
+"""``pivot simulate`` end to end on the toy workload: the comparison it prints, the run
+directory it writes, and the same bytes for the same arguments."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import structlog
+from toy import toy_workload
+
+from pivot.cli import simulate
+
+
+@pytest.fixture(autouse=True)
+def reset_logs():
+    yield
+    structlog.reset_defaults()
+
+
+def _run(argv: list[str], capsys) -> str:
+    parser = argparse.ArgumentParser(prog="pivot")
+    sub = parser.add_subparsers(dest="command", required=True)
+    simulate.add_parser(sub)
+    args = parser.parse_args(["simulate", *argv])
+    assert args.func(args) == 0
+    return capsys.readouterr().out
+
+
+def test_json_comparison_is_the_same_bytes_for_the_same_seed(tmp_path, capsys):
+    toy_workload(tmp_path, prompts=2, samples=4, sigma=0.8, response=200, per_running=0.005)
+    argv = [str(tmp_path / "toy.toml"), "--gpus", "8", "--steps", "2", "--json", "--no-wall"]
+    argv += ["--no-plot", "--sweep-steps", "1", "--run-dir", str(tmp_path / "run")]
+    first = _run(argv, capsys)
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_bytes()
+    second = _run(argv, capsys)
+    assert first == second
+    assert (tmp_path / "run" / "metrics.jsonl").read_bytes() == metrics
+    report = json.loads(first)
+    assert set(report["throughput"]) == {"pivot", "colocated", "disaggregated", "rr-colocated"}
+    for rates in report["throughput"].values():
+        assert rates["samples_per_s"] > 0 and rates["tokens_per_s"] > 0
+    assert set(report["speedup"]) == {"colocated", "disaggregated", "rr-colocated"}
+    best = report["splits"]["disaggregated"]
+    # the speedup is against the better of Table 4's split and the sweep's
+    table4 = best["table4_samples_per_s"]
+    assert report["throughput"]["disaggregated"]["samples_per_s"] >= table4
+    pivot = report["throughput"]["pivot"]["samples_per_s"]
+    assert report["speedup"]["disaggregated"] == pytest.approx(
+        pivot / report["throughput"]["disaggregated"]["samples_per_s"], rel=1e-3
+    )
+    assert len(best["tried"]) == 21 and report["wall_s"] is None
+    kinds = {json.loads(line)["record"] for line in metrics.splitlines()}
+    assert kinds == {"run", "step", "sample", "shift", "train"}
+
+
+def test_text_output_plot_and_horizon_study(tmp_path, capsys):
+    toy_workload(tmp_path, prompts=2, samples=4, sigma=0.8, response=200, per_running=0.005)
+    run_dir = tmp_path / "run"
+    out = _run(
+        [
+            str(tmp_path / "toy.toml"),
+            "--gpus",
+            "8",
+            "--steps",
+            "1",
+            "--deployment",
+            "pivot",
+            "--run-dir",
+            str(run_dir),
+        ],
+        capsys,
+    )
+    assert "pivot" in out and "wall time" in out
+    assert (run_dir / "plot-pivot-table4.png").stat().st_size > 10_000
+    out = _run(
+        [
+            str(tmp_path / "toy.toml"),
+            "--gpus",
+            "8",
+            "--steps",
+            "1",
+            "--study",
+            "horizon",
+            "--json",
+            "--no-plot",
+            "--run-dir",
+            str(run_dir),
+        ],
+        capsys,
+    )
+    rows = json.loads(out)["results"]
+    assert [r["label"] for r in rows] == ["H=5", "H=10", "H=20", "H=30", "H=60", "H=90"]
+    assert all(r["samples_per_s"] > 0 for r in rows)
+
+
+def test_the_parser_names_every_ablation_and_imports_nothing_heavy():
+    from pivot.actors.simulation import ABLATIONS
+
+    assert sorted(simulate.ABLATION_NAMES) == sorted(ABLATIONS)
