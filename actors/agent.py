@@ -469,17 +469,7 @@ class RoleAgent(Actor):
             else:
                 out = engine.step()
                 await self.clock.sleep(0)
-            self._held.difference_update(int(f.seq_id) for f in out.finished)
-        self._unreported.extend(
-            Completion(
-                seq_id=int(f.seq_id),
-                token_ids=list(f.token_ids),
-                logprobs=list(f.logprobs),
-                finish_reason=f.finish_reason,
-                replica=self.replica or "",
-            )
-            for f in out.finished
-        )
+            self._collect(out)
         stats = engine.stats()
         await self._publish_load(stats)
         if self.pace_steps and stats.last_step_s > 0:
