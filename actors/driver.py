@@ -130,7 +130,9 @@ class Driver(Actor):
                 self._score(sample)
         if judge:
             await self.request(
-                self.reward_scheduler, SubmitSequences(sequences=judge), timeout=self.request_timeout
+                self.reward_scheduler,
+                SubmitSequences(sequences=judge),
+                timeout=self.request_timeout,
             )
 
     def _on_judgments(self, completions: list[Completion]) -> None:

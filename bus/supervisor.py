@@ -157,9 +157,7 @@ class _ProcessChild(_Child):
         try:
             async with asyncio.timeout(self._ready_timeout):
                 # a library may print before the handshake: pass such lines on, keep waiting
-                while (line := await process.stdout.readline()) and not line.startswith(
-                    b"READY"
-                ):
+                while (line := await process.stdout.readline()) and not line.startswith(b"READY"):
                     sys.stderr.write(line.decode(errors="replace"))
         except TimeoutError:
             await self.stop()

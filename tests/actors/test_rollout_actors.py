@@ -188,9 +188,7 @@ class FakeTrainer(Actor):
         return Trained(step=msg.step, stats=stats)
 
 
-def _run_job(
-    job: JobConfig, replicas: int, seed: int = 0, judges: int = 0, trainer: bool = False
-):
+def _run_job(job: JobConfig, replicas: int, seed: int = 0, judges: int = 0, trainer: bool = False):
     async def main(clock):
         bus = Bus.local(rl_messages(), transport=LocalTransport(), clock=clock)
         actors, engines, driver = _cluster(bus, job, replicas, judges, trainer)

@@ -21,7 +21,6 @@ from pivot.actors.simulation import (
     SimulationError,
     SimulationSettings,
     Split,
-    StagePolicy,
     _Run,
     simulate,
     sweep_splits,
@@ -32,6 +31,7 @@ from pivot.cluster import ClusterSpec, Device, Pool, Role, RoleSpec
 from pivot.planner import TRAINER_ID
 from pivot.shift import ShiftRecord, recover
 from pivot.snapshot import ClusterSnapshot, QueueState, ReplicaState, TrainerPhase
+from pivot.staging import StagePolicy
 from pivot.workload import load_workload
 
 
