@@ -81,7 +81,7 @@ from pivot.bus import Actor, Bus, BusError, handles
 from pivot.cluster import INFERENCE_ROLES, Allocation, ClusterSpec, Move, Role
 from pivot.config import ConfigStruct
 from pivot.cost import CostModel
-from pivot.planner import Decision, Planner, PlannerSettings, ShiftPlan
+from pivot.planner import Decision, Planner, PlannerSettings, ShiftPlan, ShiftPolicy
 from pivot.routing import RouterSettings
 from pivot.shift import (
     AcquireDevice,
@@ -147,6 +147,7 @@ class Controller(Actor):
         settings: ControllerSettings | None = None,
         routers: Mapping[Role, RouterSettings] | None = None,
         timer: Callable[[], float] | None = None,
+        policy: ShiftPolicy | None = None,
     ) -> None:
         super().__init__(name, bus)
         self.spec = spec
@@ -162,7 +163,10 @@ class Controller(Actor):
         self.models = {Role(r): m for r, m in (models or {}).items()}
         self.trainer = trainer
         self.settings = settings or ControllerSettings()
-        self.planner = Planner(spec, cost_models, self.settings.planner, routers, timer)
+        # None: the planner; a time-sharing baseline passes its stage policy
+        self.planner: ShiftPolicy = policy or Planner(
+            spec, cost_models, self.settings.planner, routers, timer
+        )
         self.allocation = Allocation(spec, ())
         self.recovered = asyncio.Event()
         self.shift: ShiftTransaction | None = None

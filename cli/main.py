@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="override the config's seed")
     p.add_argument(
         "--deployment",
-        choices=["pivot", "disaggregated"],
+        choices=["pivot", "disaggregated", "rr-colocated", "colocated"],
         default=None,
         help="override the config's deployment.kind",
     )

@@ -32,6 +32,7 @@ from pivot.actors.monitor import Monitor
 from pivot.actors.scheduler import Scheduler
 from pivot.actors.shift_messages import AllocationReport, QueryAllocation, TrainerPhaseChanged
 from pivot.actors.sources import TaskSource
+from pivot.actors.trainer import trainer_names
 from pivot.bus import Bus, Directory, RestartPolicy, Supervisor, configure_logging, run_real
 from pivot.cli.plot import plot_run
 from pivot.cluster import ClusterSpec, Device, Pool, Role, RoleSpec
@@ -40,6 +41,7 @@ from pivot.cost import CostModel
 from pivot.engine import SamplingParams
 from pivot.job import JobConfig
 from pivot.routing import RouterSettings, make_router
+from pivot.staging import StagePolicy
 from pivot.timeline import RoleSample, ShiftMark, TrainSpan
 from pivot.tokenizer import TextCodec
 
@@ -89,30 +91,24 @@ class Job:
         self.genrm = genrm
         self.run_dir = run_dir
         self.console = console
-        c = job.cluster
-        self.devices = list(range(c.devices))
-        self.trainer_pool = tuple(range(c.devices - c.trainer_devices, c.devices))
-        self.agents = [f"agent-{d}" for d in self.devices]
-        self.trainers = [f"trainer-{r}" if r else "trainer" for r in range(c.trainer_devices)]
+        self.kind = job.deployment.kind
+        self.layout = layout = job.layout()
+        self.trainer_pool = layout.trainer_pool
+        self.agents = {d: f"agent-{d}" for d in layout.inference_devices}
+        self.trainers = trainer_names("trainer", len(self.trainer_pool))
         self.schedulers = {Role.ROLLOUT: "rollout-scheduler"}
         if genrm is not None:
             self.schedulers[Role.REWARD] = "reward-scheduler"
-        self.pivot = job.deployment.kind == "pivot"
+        self.managed = layout.managed
+        self.lends_trainer = layout.lends_trainer
         names = ["driver", "monitor", "controller", *self.schedulers.values()]
         # ipc paths must stay under ~100 bytes, so sockets live in a short temporary folder
         self.sockets = Path(tempfile.mkdtemp(prefix="pivot-"))
-        self.directory = Directory.ipc(self.sockets, [*names, *self.agents, *self.trainers])
+        self.directory = Directory.ipc(
+            self.sockets, [*names, *self.agents.values(), *self.trainers]
+        )
         self.bus = Bus.nng(self.directory, rl_messages())
         self.store = f"pivot-gps-{os.getpid()}"
-
-    def initial_roles(self) -> dict[int, Role]:
-        """Shared devices: rollout first, then reward; the trainer pool starts with the trainer."""
-        shared = [d for d in self.devices if d not in self.trainer_pool]
-        rollout = self.job.deployment.rollout_devices if self.genrm is not None else len(shared)
-        return {
-            d: (Role.ROLLOUT if i < rollout else Role.REWARD) if d in shared else Role.FREE
-            for i, d in enumerate(self.devices)
-        }
 
     def _router(self):
         return make_router(
@@ -126,7 +122,7 @@ class Job:
         checkpoints = {"rollout": str(self.policy)}
         if self.genrm is not None:
             checkpoints["reward"] = str(self.genrm)
-        for device, role in self.initial_roles().items():
+        for device, role in self.layout.initial_roles.items():
             scheduler = self.schedulers.get(role)
             sup.add_process(
                 self.agents[device],
@@ -154,20 +150,21 @@ class Job:
             "trainer",
             directory=self.directory,
             checkpoint=self.policy,
-            world_size=self.job.cluster.trainer_devices,
+            world_size=len(self.trainer_pool),
             run_dir=self.sockets,
             store_name=self.store,
             settings=self.job.training,
             threads=self.job.cluster.threads_per_device,
-            # under pivot, a batch that finds the pool lent asks the Controller to reclaim it
-            controller="controller" if self.pivot else None,
+            # a batch that finds the pool lent asks the Controller to reclaim it
+            controller="controller" if self.lends_trainer else None,
         )
 
     def controller(self) -> Controller:
+        managed = sorted(self.agents)
         spec = ClusterSpec(
             [
                 Device(d, 0, Pool.TRAINER if d in self.trainer_pool else Pool.SHARED)
-                for d in self.devices
+                for d in managed
             ],
             {
                 Role.ROLLOUT: RoleSpec(model="policy"),
@@ -179,17 +176,18 @@ class Job:
             "controller",
             self.bus,
             spec=spec,
-            agents=dict(enumerate(self.agents)),
+            agents=self.agents,
             schedulers=self.schedulers,
             journal=open_journal(self.run_dir / "shift.journal"),
             cost_models={Role.ROLLOUT: TINY_CPU_COST, Role.REWARD: TINY_CPU_COST},
-            trainer="trainer",
+            trainer="trainer" if self.lends_trainer else None,
             settings=ControllerSettings(
                 interval_s=control.interval_s,
                 command_timeout_s=control.command_timeout_s,
                 planner=control.planner,
             ),
             timer=time.perf_counter,
+            policy=None if self.kind == "pivot" else StagePolicy(spec),
         )
 
     async def run(self) -> tuple[list[StepReport], Monitor]:
@@ -235,7 +233,7 @@ class Job:
             judged=self.genrm is not None,
             judgment_tokens=job.reward.max_new_tokens,
         )
-        roles = list(self.initial_roles().values())
+        roles = list(self.layout.initial_roles.values())
         expected = {self.schedulers[Role.ROLLOUT]: roles.count(Role.ROLLOUT)}
         if self.genrm is not None:
             expected[self.schedulers[Role.REWARD]] = roles.count(Role.REWARD)
@@ -249,17 +247,17 @@ class Job:
             trainer="trainer",
             on_step=on_step,
             replicas=expected,
-            on_batch_ready=self._batch_ready if self.pivot else None,
-            before_first_step=self._controller_ready if self.pivot else None,
+            on_batch_ready=self._batch_ready if self.lends_trainer else None,
+            before_first_step=self._controller_ready if self.managed else None,
         )
         monitor = Monitor(
             "monitor",
             self.bus,
-            agents=self.agents,
+            agents=list(self.agents.values()),
             schedulers={role.value: name for role, name in self.schedulers.items()},
             on_sample=on_sample,
             on_shift=on_shift,
-            controller="controller" if self.pivot else None,
+            controller="controller" if self.managed else None,
             interval=0.1,
         )
         self._driver = driver
@@ -276,7 +274,7 @@ class Job:
             )
         self.add_trainer(sup)
         self.add_agents(sup)
-        if self.pivot:
+        if self.managed:
             sup.add_actor("controller", self.controller, policy=once)
         sup.add_actor("monitor", lambda: monitor, policy=once)
         sup.add_actor("driver", lambda: driver, policy=once)
@@ -335,12 +333,13 @@ def main(args: argparse.Namespace) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     console = Console(soft_wrap=True)
     c, d = job.cluster, job.deployment
+    ranks = c.devices if d.kind == "colocated" else c.trainer_devices
     judge = "GenRM judging" if genrm is not None else "the exact checker scoring"
     console.print(
         f"[bold]pivot run[/bold] {args.config}: GRPO, {job.steps} steps of "
         f"{job.rollout.prompts_per_step}x{job.rollout.samples_per_prompt} samples; {judge}; "
-        f"{c.devices} CPU devices ({c.trainer_devices} trainer pool, ZeRO-{job.training.zero_stage}"
-        f"); deployment {d.kind}; torch engines and DeepSpeed over nng ipc://\nrun dir: {run_dir}"
+        f"{c.devices} CPU devices ({ranks} trainer ranks, ZeRO-{job.training.zero_stage}); "
+        f"deployment {d.kind}; torch engines and DeepSpeed over nng ipc://\nrun dir: {run_dir}"
     )
     # actors' JSON logs (ours and the children's, which inherit stderr) go to the run dir
     saved_stderr = os.dup(2)
@@ -387,7 +386,7 @@ def main(args: argparse.Namespace) -> int:
         f"done: {len(reports)} steps in {wall:.1f} s; reward {mean(first):.3f} (first 5 steps) "
         f"-> {mean(last):.3f} (last 5); shifts {sum(kinds.values())} {kinds}\n"
         f"metrics {run_dir / 'metrics.jsonl'}, plot {plot}, "
-        + (f"journal {run_dir / 'shift.journal'}, " if d.kind == "pivot" else "")
+        + (f"journal {run_dir / 'shift.journal'}, " if d.kind != "disaggregated" else "")
         + f"logs {run_dir / 'actors.log'}"
     )
     return 0

@@ -64,6 +64,24 @@ def _describe(value: Any) -> str:
     return f"{type(value).__name__} {text}"
 
 
+def _choices(type_: Any, path: str) -> tuple | None:
+    """The allowed values of the Literal field at ``path``, if it is one."""
+    info = msgspec.inspect.type_info(type_)
+    for part in re.findall(r"\.([^.\[]+)|\[(\d+)\]", path):
+        name, _ = part
+        while isinstance(info, msgspec.inspect.Metadata):
+            info = info.type
+        if name and isinstance(info, msgspec.inspect.StructType):
+            info = next((f.type for f in info.fields if f.encode_name == name), None)
+        elif not name and isinstance(info, msgspec.inspect.ListType | msgspec.inspect.TupleType):
+            info = getattr(info, "item_type", None)
+        else:
+            return None
+    while isinstance(info, msgspec.inspect.Metadata):
+        info = info.type
+    return info.values if isinstance(info, msgspec.inspect.LiteralType) else None
+
+
 def _join(base: str, leaf: str) -> str:
     return f"{base}.{leaf}" if base else leaf
 
@@ -91,6 +109,13 @@ def convert(raw: Any, type_: type[T], source: str) -> T:
         if r := _MISSING.match(what):
             raise ConfigError(source, _join(key, r.group("field")), "a value", "nothing") from None
         found_ok, value = _lookup(raw, path)
+        if (choices := _choices(type_, path)) is not None:
+            raise ConfigError(
+                source,
+                key,
+                "one of " + ", ".join(repr(c) for c in choices),
+                _describe(value) if found_ok else "?",
+            ) from None
         raise ConfigError(
             source, key, what[0].lower() + what[1:], _describe(value) if found_ok else "?"
         ) from None

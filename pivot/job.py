@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from pivot.cluster import Role
 from pivot.config import ConfigError, ConfigStruct
 from pivot.grpo import TrainingSettings
 from pivot.planner import PlannerSettings
@@ -21,7 +22,7 @@ NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Probability = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 Seconds = Annotated[float, msgspec.Meta(gt=0.0)]
 
-Deployment = Literal["pivot", "disaggregated"]
+Deployment = Literal["pivot", "disaggregated", "rr-colocated", "colocated"]
 
 
 class ClusterSection(ConfigStruct):
@@ -37,10 +38,19 @@ class ClusterSection(ConfigStruct):
 
 
 class DeploymentSection(ConfigStruct):
-    """``pivot``: the Controller shifts shared devices between rollout and reward and lends
-    the trainer pool to inference while the trainer waits; ``disaggregated``: fixed pools.
-    ``rollout_devices`` of the shared pool serve rollout (at the start, under pivot), the
-    rest serve the GenRM."""
+    """How devices serve the roles; every kind runs the same actors.
+
+    * ``pivot``: the Controller's planner shifts shared devices between rollout and reward
+      and lends the trainer pool to inference while the trainer waits for a batch.
+    * ``disaggregated``: fixed pools: ``rollout_devices`` of the shared devices serve
+      rollout, the rest the GenRM; the trainer pool only trains.
+    * ``rr-colocated``: the shared devices serve rollout, then (once rollout has drained)
+      the GenRM, every step; the trainer pool only trains.
+    * ``colocated``: every device serves each stage in turn (rollout, GenRM, training; the
+      trainer has one rank per device), as verl and OpenRLHF's colocated modes do.
+
+    ``rollout_devices``: under pivot, the shared devices serving rollout at the start.
+    """
 
     kind: Deployment = "pivot"
     rollout_devices: Positive = 1
@@ -80,6 +90,17 @@ class ControlSection(ConfigStruct):
     )
 
 
+class DeviceLayout(msgspec.Struct, frozen=True, kw_only=True):
+    """A deployment's devices. The trainer starts holding its pool, whose devices start
+    free (under pivot and colocated the Controller lends them before step 0)."""
+
+    trainer_pool: tuple[int, ...]
+    inference_devices: tuple[int, ...]  # each hosts a role agent
+    initial_roles: dict[int, Role]
+    managed: bool  # the Controller shifts devices (every kind but disaggregated)
+    lends_trainer: bool  # ... and lends and reclaims the trainer pool
+
+
 class JobConfig(ConfigStruct):
     """The whole job."""
 
@@ -97,6 +118,30 @@ class JobConfig(ConfigStruct):
     def shared_devices(self) -> int:
         return self.cluster.devices - self.cluster.trainer_devices
 
+    def layout(self) -> DeviceLayout:
+        """Which devices train, which host a role agent, and each agent's first role."""
+        kind, n = self.deployment.kind, self.cluster.devices
+        shared = self.shared_devices
+        # colocated: every device is in the trainer pool and holds one rank
+        pool = tuple(range(0 if kind == "colocated" else shared, n))
+        # a trainer pool that is never lent hosts no role agent
+        lends = kind in ("pivot", "colocated")
+        inference = tuple(range(n)) if lends else tuple(range(shared))
+        rollout = self.deployment.rollout_devices
+        if self.reward.kind != "genrm" or kind == "rr-colocated":
+            rollout = shared
+        roles = {
+            d: (Role.ROLLOUT if d < rollout else Role.REWARD) if d not in pool else Role.FREE
+            for d in inference
+        }
+        return DeviceLayout(
+            trainer_pool=pool,
+            inference_devices=inference,
+            initial_roles=roles,
+            managed=kind != "disaggregated",
+            lends_trainer=lends,
+        )
+
     def validate(self, source: str) -> JobConfig:
         """Rules across sections; a violation names the key like a type error does."""
         c, d = self.cluster, self.deployment
@@ -108,6 +153,8 @@ class JobConfig(ConfigStruct):
                 f"int {c.trainer_devices}",
             )
         judged = self.reward.kind == "genrm"
+        if d.kind not in ("pivot", "disaggregated"):
+            return self._check_temperature(source)
         most = self.shared_devices - (1 if judged and d.kind == "disaggregated" else 0)
         if d.rollout_devices > most:
             why = "leaving one for the GenRM" if most < self.shared_devices else ""
@@ -118,6 +165,9 @@ class JobConfig(ConfigStruct):
                 f"{', ' + why if why else ''})",
                 f"int {d.rollout_devices}",
             )
+        return self._check_temperature(source)
+
+    def _check_temperature(self, source: str) -> JobConfig:
         if self.training.temperature != self.rollout.temperature:
             raise ConfigError(
                 source,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Mapping
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Protocol
 
 import msgspec
 import numpy as np
@@ -112,6 +112,15 @@ class Decision(msgspec.Struct, frozen=True, kw_only=True):
     objective: float = 0.0
     candidates: tuple[CandidateScore, ...] = ()
     timings: PhaseTimings = PhaseTimings()
+
+
+class ShiftPolicy(Protocol):
+    """What the Controller asks each tick: the ``Planner``, or a time-sharing baseline's
+    ``pivot.staging.StagePolicy``."""
+
+    def decide(self, snapshot: ClusterSnapshot) -> Decision: ...
+
+    def record_shift_time(self, seconds: float) -> None: ...
 
 
 class _Phases:

@@ -115,3 +115,47 @@ def test_job_rules_across_sections():
     with pytest.raises(ConfigError) as err:
         job.validate("j.toml")
     assert err.value.key == "training.temperature"
+
+
+def _layout(text: str):
+    from pivot.job import JobConfig
+
+    return decode_toml(text, JobConfig, "j.toml").validate("j.toml").layout()
+
+
+def test_deployment_layouts_of_a_four_device_job():
+    from pivot.cluster import Role
+
+    ro, rm, free = Role.ROLLOUT, Role.REWARD, Role.FREE
+    pivot = _layout("[deployment]\nkind = 'pivot'\n")
+    assert pivot.trainer_pool == (2, 3)
+    assert pivot.initial_roles == {0: ro, 1: rm, 2: free, 3: free}
+    assert pivot.managed and pivot.lends_trainer
+
+    # fixed pools: the trainer pool hosts no role agent
+    dis = _layout("[deployment]\nkind = 'disaggregated'\n")
+    assert dis.trainer_pool == (2, 3) and dis.inference_devices == (0, 1)
+    assert dis.initial_roles == {0: ro, 1: rm}
+    assert not dis.managed and not dis.lends_trainer
+
+    # rollout-reward colocated: the shared devices all start with rollout
+    rr = _layout("[deployment]\nkind = 'rr-colocated'\n")
+    assert rr.initial_roles == {0: ro, 1: ro}
+    assert rr.managed and not rr.lends_trainer
+
+    # colocated: every device trains and serves inference in turn
+    co = _layout("[deployment]\nkind = 'colocated'\n")
+    assert co.trainer_pool == (0, 1, 2, 3)
+    assert co.initial_roles == dict.fromkeys(range(4), free)
+    assert co.managed and co.lends_trainer
+
+    exact = _layout("[reward]\nkind = 'exact'\n[deployment]\nrollout_devices = 1\n")
+    assert exact.initial_roles == {0: ro, 1: ro, 2: free, 3: free}
+
+
+def test_unknown_deployment_kind_names_the_choices():
+    from pivot.job import JobConfig
+
+    with pytest.raises(ConfigError) as err:
+        decode_toml("[deployment]\nkind = 'colo'\n", JobConfig, "j.toml")
+    assert "deployment.kind" in str(err.value) and "rr-colocated" in str(err.value)
