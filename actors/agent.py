@@ -62,6 +62,7 @@ from pivot.actors.messages import (
     Partial,
     RegisterReplica,
     ReplicaLoad,
+    copy_ids,
     rl_messages,
 )
 from pivot.actors.shift_messages import (
@@ -213,6 +214,10 @@ class RoleAgent(Actor):
         self._work = asyncio.Event()
         self._unreported: list[Completion] = []
         self._held: set[int] = set()  # sequences in the engine: assigned, not finished/aborted
+        # migrated sequences (assigned with a partial output) until their re-prefill ran,
+        # then the re-prefill's seconds until they finish (reported with the completion)
+        self._reprefilling: set[int] = set()
+        self._reprefill_s: dict[int, float] = {}
         self._accepting = self.engine is not None
 
     def _leads(self, devices: Sequence[int]) -> bool:
@@ -261,6 +266,8 @@ class RoleAgent(Actor):
                     generated_logprobs=work.generated_logprobs or None,
                 )
                 self._held.add(work.seq_id)
+                if work.generated_ids:
+                    self._reprefilling.add(work.seq_id)
         self._work.set()
         return Ack(count=len(msg.sequences))
 
@@ -286,7 +293,10 @@ class RoleAgent(Actor):
         async with self._engine_lock:
             self._settle()
             partials = self.engine.abort(msg.seq_ids)
-            self._held.difference_update(int(p.seq_id) for p in partials)
+            for p in partials:
+                self._held.discard(int(p.seq_id))
+                self._reprefilling.discard(int(p.seq_id))
+                self._reprefill_s.pop(int(p.seq_id), None)
         return Aborted(partials=[_partial(p) for p in partials])
 
     # --- shifting ---------------------------------------------------------------------------
@@ -328,6 +338,8 @@ class RoleAgent(Actor):
                 self._settle()
                 partials = self.engine.abort(None)
                 self._held.clear()
+                self._reprefilling.clear()
+                self._reprefill_s.clear()
             completions, self._unreported = self._unreported, []
         return Evacuated(
             replica=msg.replica,
@@ -520,14 +532,19 @@ class RoleAgent(Actor):
         self._collect(out)
 
     def _collect(self, out: Any) -> None:
+        if self._reprefilling:
+            for seq_id in self._reprefilling.intersection(out.admitted):
+                self._reprefill_s[seq_id] = out.prefill_s
+            self._reprefilling.difference_update(out.admitted)
         self._held.difference_update(int(f.seq_id) for f in out.finished)
         self._unreported.extend(
             Completion(
                 seq_id=int(f.seq_id),
-                token_ids=list(f.token_ids),
+                token_ids=copy_ids(f.token_ids),
                 logprobs=list(f.logprobs),
                 finish_reason=f.finish_reason,
                 replica=self.replica or "",
+                reprefill_s=self._reprefill_s.pop(int(f.seq_id), 0.0),
             )
             for f in out.finished
         )
@@ -572,7 +589,9 @@ class RoleAgent(Actor):
 
 
 def _partial(p: Any) -> Partial:
-    return Partial(seq_id=int(p.seq_id), token_ids=list(p.token_ids), logprobs=list(p.logprobs))
+    return Partial(
+        seq_id=int(p.seq_id), token_ids=copy_ids(p.token_ids), logprobs=list(p.logprobs)
+    )
 
 
 def torch_agent(

@@ -325,6 +325,9 @@ class Controller(Actor):
 
     async def _drive(self, txn: ShiftTransaction) -> None:
         self.shift = txn
+        # seconds from the previous phase to each phase reached (release, GPS read, ...)
+        phase_s: dict[str, float] = {}
+        last = txn.started_at
         while not txn.finished:
             attempt = 0
             while pending := txn.pending():
@@ -335,13 +338,16 @@ class Controller(Actor):
                     txn.confirm(command, ok, give_up=give_up)
                 if txn.pending():
                     await self.clock.sleep(self._backoff(attempt))
-            self.journal.append(txn.advance(self.clock.now()))
-        await self._finish(txn)
+            record = txn.advance(self.clock.now())
+            self.journal.append(record)
+            phase_s[record.phase.value] = max(record.at - last, 0.0)
+            last = record.at
+        await self._finish(txn, phase_s)
 
     def _backoff(self, attempt: int) -> float:
         return self.settings.retry_backoff_s * 2 ** min(attempt - 1, 4)
 
-    async def _finish(self, txn: ShiftTransaction) -> None:
+    async def _finish(self, txn: ShiftTransaction, phase_s: dict[str, float]) -> None:
         now = self.clock.now()
         moves = txn.applied_moves()
         recovering = not self.recovered.is_set()
@@ -375,6 +381,8 @@ class Controller(Actor):
                 failed=sorted(txn.failed),
                 seconds=seconds,
                 at=now,
+                kind=txn.plan.kind,
+                phase_s=phase_s,
             ),
             AllocationChanged(replicas=self._replica_moves(), at=now),
         )
@@ -464,7 +472,7 @@ class Controller(Actor):
             if txn.rolls_back:
                 await self._run_stage(txn.rollback_commands(), must=False)
                 self.journal.append(txn.rolled_back(self.clock.now()))
-                await self._finish(txn)
+                await self._finish(txn, {})
             else:
                 await self._drive(txn)
         self.allocation = await self._read_allocation(fix=True)

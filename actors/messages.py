@@ -2,10 +2,14 @@
 
 Whatever must arrive (sequences, completions, scores, shift commands) travels as a request and
 is acknowledged; only what the next sample replaces (load metrics) is published. Token ids
-travel as lists of ints; msgpack keeps them compact.
+travel as lists of ints; msgpack keeps them compact. A simulated sequence's ids are
+``Placeholders``: only their count travels.
 """
 
 from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
 
 import msgspec
 
@@ -19,13 +23,35 @@ class RLMessage(Message):
     """Base of every RL message; the codec is built from its subclasses."""
 
 
+class Placeholders(msgspec.Struct, frozen=True):
+    """``count`` token ids that no one reads (a simulated engine's; every one is 0): only the
+    count travels. Copying thousands of ids per hop would dominate a simulation's wall time,
+    and everything that counts tokens (``len``) reads these as it reads a list."""
+
+    count: int
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.repeat(0, self.count)
+
+
+TokenIds = list[int] | Placeholders
+
+
+def copy_ids(ids: Sequence[int] | Placeholders) -> TokenIds:
+    """``ids`` as a message carries them: a list, or the placeholders as they are."""
+    return ids if isinstance(ids, Placeholders) else list(ids)
+
+
 class Work(msgspec.Struct, frozen=True, kw_only=True):
     """One sequence as a replica needs it: prompt, partial output to re-prefill, sampling."""
 
     seq_id: int
-    prompt_ids: list[int]
+    prompt_ids: TokenIds
     sampling: SamplingParams
-    generated_ids: list[int] = []
+    generated_ids: TokenIds = []
     generated_logprobs: list[float] = []
     policy_version: int = 0
 
@@ -34,10 +60,12 @@ class Completion(msgspec.Struct, frozen=True, kw_only=True):
     """A finished sequence: its whole output."""
 
     seq_id: int
-    token_ids: list[int]
+    token_ids: TokenIds
     logprobs: list[float]
     finish_reason: FinishReason
     replica: str = ""
+    # a migrated sequence: its re-prefill's seconds on the replica that finished it
+    reprefill_s: float = 0.0
 
 
 # -- driver <-> scheduler
@@ -106,7 +134,7 @@ class Abort(RLMessage, kw_only=True):
 
 class Partial(msgspec.Struct, frozen=True, kw_only=True):
     seq_id: int
-    token_ids: list[int]
+    token_ids: TokenIds
     logprobs: list[float]
 
 

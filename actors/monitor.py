@@ -67,6 +67,7 @@ class Monitor(Actor):
                 kind=self._kinds.pop(done.txn, "shift"),
                 allocation=counts,
                 seconds=done.seconds,
+                phase_s=done.phase_s,
             )
             self.shifts.append(mark)
             if self.on_shift is not None:

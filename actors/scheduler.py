@@ -46,6 +46,7 @@ from pivot.actors.messages import (
     SchedulerStatus,
     SubmitSequences,
     Work,
+    copy_ids,
 )
 from pivot.actors.shift_messages import (
     CutRouting,
@@ -96,6 +97,19 @@ class _CutRouter:
         return self.router.slot_scores(self._masked(running), tokens, k_max, mean_tokens)
 
 
+class MigrationTiming(msgspec.Struct, frozen=True, kw_only=True):
+    """One migrated sequence, the seed's Table 3 columns: ``abort_s`` to take it off its
+    replica with its partial output (the whole evacuation or abort request), ``dispatch_s``
+    from then until a new replica accepted it, ``reprefill_s`` for that replica to prefill
+    prompt + partial output (0.0 from an engine without a clock)."""
+
+    seq_id: int
+    tokens: int  # of partial output carried over
+    abort_s: float
+    dispatch_s: float
+    reprefill_s: float
+
+
 class Scheduler(Actor):
     """The shared queue of ``role``; finished sequences go to ``downstream``."""
 
@@ -127,6 +141,11 @@ class Scheduler(Actor):
         self._undelivered: list[Completion] = []
         self._kick = asyncio.Event()
         self.completed = 0
+        # migrated sequences: seq -> (abort_s, requeued at, tokens) until a replica accepts
+        # them, then seq -> (abort_s, dispatch_s, tokens) until they finish
+        self._migrating: dict[int, tuple[float, float, int]] = {}
+        self._dispatched: dict[int, tuple[float, float, int]] = {}
+        self.migrations: list[MigrationTiming] = []
 
     # --- replicas -------------------------------------------------------------------------
 
@@ -188,6 +207,7 @@ class Scheduler(Actor):
             if agent is None:  # a concurrent removal finished first
                 return ReplicaRemoved(replica=replica, known=False)
             evacuated = Evacuated(replica=replica)
+            began = self.clock.now()
             if not msg.force:
                 # a failure here leaves the replica cut and registered: the Controller retries
                 evacuated = await self.request(
@@ -200,6 +220,7 @@ class Scheduler(Actor):
             done = [c for c in evacuated.completions if c.seq_id in running]
             self._complete(replica, done)
             generated = self._keep_partials(evacuated.partials, running)
+            self._mark_migrating(generated, began)
             requeued = self.core.remove_replica(replica, generated)
             del self._agents[replica]
             del self._incarnations[replica]
@@ -224,11 +245,17 @@ class Scheduler(Actor):
             work = self._work[partial.seq_id]
             self._work[partial.seq_id] = msgspec.structs.replace(
                 work,
-                generated_ids=list(partial.token_ids),
+                generated_ids=copy_ids(partial.token_ids),
                 generated_logprobs=list(partial.logprobs),
             )
             generated[partial.seq_id] = len(partial.token_ids)
         return generated
+
+    def _mark_migrating(self, generated: dict[int, int], began: float) -> None:
+        now = self.clock.now()
+        for seq_id, tokens in generated.items():
+            if tokens:
+                self._migrating[seq_id] = (now - began, now, tokens)
 
     @handles
     async def migrate(self, msg: MigrateSequences) -> Ack:
@@ -254,6 +281,7 @@ class Scheduler(Actor):
                 ]
                 if not wanted:
                     continue
+                began = self.clock.now()
                 reply = await self.request(
                     agent,
                     Abort(seq_ids=[m.seq_id for m in wanted]),
@@ -261,6 +289,7 @@ class Scheduler(Actor):
                     timeout=self.request_timeout,
                 )
                 generated = self._keep_partials(reply.partials, running)
+                self._mark_migrating(generated, began)
                 self.core.abort(source, list(generated), generated)
                 for m in wanted:
                     if m.seq_id not in generated:
@@ -333,6 +362,17 @@ class Scheduler(Actor):
             self.core.complete(replica, completion.seq_id, len(completion.token_ids))
             self._work.pop(completion.seq_id, None)
             self._undelivered.append(completion)
+            if (moved := self._dispatched.pop(completion.seq_id, None)) is not None:
+                abort_s, dispatch_s, tokens = moved
+                self.migrations.append(
+                    MigrationTiming(
+                        seq_id=completion.seq_id,
+                        tokens=tokens,
+                        abort_s=abort_s,
+                        dispatch_s=dispatch_s,
+                        reprefill_s=completion.reprefill_s,
+                    )
+                )
         self.completed += len(completions)
 
     @handles
@@ -388,6 +428,12 @@ class Scheduler(Actor):
                 )
             except BusError as exc:
                 raise _AssignFailed([w.seq_id for w in works], exc) from exc
+            if self._migrating:
+                now = self.clock.now()
+                for w in works:
+                    if (moved := self._migrating.pop(w.seq_id, None)) is not None:
+                        abort_s, requeued_at, tokens = moved
+                        self._dispatched[w.seq_id] = (abort_s, now - requeued_at, tokens)
 
     async def _deliver(self) -> None:
         batch, self._undelivered = self._undelivered, []

@@ -191,6 +191,11 @@ class ShiftFinished(RLMessage, kw_only=True):
     failed: list[str]
     seconds: float
     at: float
+    kind: str = ""  # the plan's: shift | lend_trainer | reclaim_trainer
+    # seconds spent reaching each phase from the one before (pivot.shift.Phase values):
+    # "aborted" covers evacuation, "released" engine release, "acquired" resume + weight Read,
+    # "registered" joining the scheduler
+    phase_s: dict[str, float] = {}
 
 
 class AllocationChanged(RLMessage, kw_only=True):

@@ -55,7 +55,7 @@ from pivot.actors.agent import RoleAgent
 from pivot.actors.controller import Controller, ControllerSettings
 from pivot.actors.driver import Driver, StepReport
 from pivot.actors.journal import Journal
-from pivot.actors.messages import rl_messages
+from pivot.actors.messages import Placeholders, rl_messages
 from pivot.actors.scheduler import Scheduler
 from pivot.actors.shift_messages import AllocationChanged, ShiftFinished, ShiftStarted
 from pivot.actors.sim_trainer import SimTrainerActor
@@ -82,7 +82,7 @@ from pivot.routing import (
     make_router,
 )
 from pivot.shift import ShiftRecord
-from pivot.sim_engine import DUMMY_TOKEN, SimInferenceEngine
+from pivot.sim_engine import SimInferenceEngine
 from pivot.snapshot import ClusterSnapshot
 from pivot.staging import StagePolicy
 from pivot.timeline import RoleSample, ShiftMark, TrainSpan, overall_throughput
@@ -441,9 +441,9 @@ class _StreamingSource(WorkloadSource):
 
 
 class _NoLogprobs:
-    """A simulated engine whose outputs carry no log-probabilities. Its tokens are dummies and
-    so are their log-probabilities; nothing in a simulation reads them (the simulated trainer
-    counts tokens), and decoding one float per token per hop would dominate the wall time.
+    """A simulated engine whose outputs are counts: token ids as ``Placeholders`` and no
+    log-probabilities. Nothing in a simulation reads them (the simulated trainer counts
+    tokens), and moving one id and one float per token per hop would dominate the wall time.
 
     A migrated sequence's partial output joins its prompt inside the engine (the engine reads
     only lengths; re-prefill costs prompt + partial output either way) and is put back in front
@@ -473,8 +473,8 @@ class _NoLogprobs:
         if handed:
             self._handed[seq_id] = handed
 
-    def _output(self, seq_id: int, count: int) -> tuple[int, ...]:
-        return (DUMMY_TOKEN,) * (self._handed.pop(seq_id, 0) + count)
+    def _output(self, seq_id: int, count: int) -> Placeholders:
+        return Placeholders(self._handed.pop(seq_id, 0) + count)
 
     def step(self, max_tokens: int | None = 1, *, max_cost_s: float | None = None) -> StepOutput:
         out = self.engine.step(max_tokens, max_cost_s=max_cost_s)

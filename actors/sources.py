@@ -9,7 +9,7 @@ from typing import Protocol
 
 import msgspec
 
-from pivot.actors.messages import Completion, RLMessage, Work
+from pivot.actors.messages import Completion, Placeholders, RLMessage, TokenIds, Work
 from pivot.engine import SamplingParams
 from pivot.grpo import RolloutSample
 from pivot.task import (
@@ -28,7 +28,7 @@ class Sample(msgspec.Struct, kw_only=True):
 
     seq_id: int
     group: int
-    prompt_ids: list[int]
+    prompt_ids: TokenIds
     response: Completion | None = None
     judgment: Completion | None = None
     score: float | None = None
@@ -163,7 +163,7 @@ class TaskSource:
 
 
 class WorkloadSource:
-    """A simulated model group: token ids are placeholders, only lengths are real. Responses
+    """A simulated model group: token ids are ``Placeholders``, only lengths are real. Responses
     and judgments run exactly as long as the workload's seeded draw says."""
 
     judged = True
@@ -188,7 +188,7 @@ class WorkloadSource:
         out = []
         for i in range(n):
             seq_id = self._first + i
-            prompt_ids = [0] * int(prompt_tokens[i])
+            prompt_ids = Placeholders(int(prompt_tokens[i]))
             group = step * lengths.prompt_tokens.size + i // lengths.samples_per_prompt
             sampling = sim_sampling(
                 int(lengths.response_tokens[i]), truncated=bool(lengths.response_truncated[i])
@@ -215,7 +215,7 @@ class WorkloadSource:
         i = sample.seq_id - self._first
         return Work(
             seq_id=sample.seq_id,
-            prompt_ids=[0] * int(self._lengths.genrm_prompt_tokens[i]),
+            prompt_ids=Placeholders(int(self._lengths.genrm_prompt_tokens[i])),
             sampling=sim_sampling(int(self._lengths.judgment_tokens[i])),
         )
 

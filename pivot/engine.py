@@ -113,6 +113,8 @@ class StepOutput(msgspec.Struct, frozen=True):
     finished: tuple[FinishedSequence, ...] = ()
     prefilled: int = 0  # sequences admitted (prefilled) in this step
     prefill_tokens: int = 0  # tokens those prefills processed
+    admitted: tuple[int, ...] = ()  # the sequences prefilled in this step
+    prefill_s: float = 0.0  # their prefill's time on the engine's clock (0.0 without one)
     # the time this step takes on the engine's clock: a simulated engine reports its modelled
     # cost (its driver sleeps that long on the clock); a real engine reports 0.0, because the
     # time already passed while step() ran

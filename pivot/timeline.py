@@ -24,6 +24,7 @@ class ShiftMark(msgspec.Struct, frozen=True, kw_only=True):
     kind: str  # shift | lend_trainer | reclaim_trainer
     allocation: dict[str, int]  # role -> devices after the shift
     seconds: float = 0.0  # how long the shift took
+    phase_s: dict[str, float] = {}  # seconds to reach each phase (ShiftFinished.phase_s)
 
 
 class TrainSpan(msgspec.Struct, frozen=True, kw_only=True):

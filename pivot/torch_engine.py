@@ -540,9 +540,11 @@ class TorchEngine:
         logits = []
         if decoding:
             logits.append(self._decode(decoding))
-        prefill_tokens = 0
+        prefill_tokens, prefill_s = 0, 0.0
         if admitted:
+            began = self._clock() if self._clock else 0.0
             logits.append(self._prefill(admitted))
+            prefill_s = self._clock() - began if self._clock else 0.0
             prefill_tokens = sum(s.cache_len for s in admitted)
         batch = decoding + admitted
         tokens, logprobs = self._sample(batch, torch.cat(logits) if len(logits) > 1 else logits[0])
@@ -577,6 +579,8 @@ class TorchEngine:
             finished=tuple(finished),
             prefilled=len(admitted),
             prefill_tokens=prefill_tokens,
+            admitted=tuple(s.seq_id for s in admitted),
+            prefill_s=prefill_s,
         )
 
     @torch.inference_mode()

@@ -76,7 +76,7 @@ from pivot.engine import (
 from pivot.planner import Migration, PlannerSettings
 from pivot.queue import Sequence
 from pivot.routing import RouterSettings, check_ownership, make_router
-from pivot.shift import AgentView, SchedulerView, ShiftRecord, allocation_problems
+from pivot.shift import FORWARD, AgentView, SchedulerView, ShiftRecord, allocation_problems
 
 MODEL = CostModel(a=1e-5, b=0.01, c=1e-3, d=0.005)
 ROUTER = RouterSettings(policy="lowest_itl", max_concurrent_per_replica=8)
@@ -102,6 +102,9 @@ def script(seed: int, length: int) -> list[int]:
     return [(seed * 7 + i) % 50 + 1 for i in range(length)]
 
 
+PREFILL_S = 0.001
+
+
 class ScriptEngine:
     """One token per step for each running sequence, following ``script(seed, length)``;
     a step costs the cost model's ITL. Refuses work while its context is released."""
@@ -111,6 +114,7 @@ class ScriptEngine:
         self.released: set[ContextKind] = set()
         self.reprefills: list[tuple[int, int]] = []
         self.added: list[int] = []
+        self._admitted: list[int] = []
         self.steps = 0
         self.version = 0
         self._last = 0.0
@@ -123,6 +127,7 @@ class ScriptEngine:
         if generated_ids:
             self.reprefills.append((seq_id, len(generated_ids)))
         self.added.append(seq_id)
+        self._admitted.append(seq_id)
         self.running[seq_id] = (want, list(generated_ids), len(prompt_ids))
 
     def step(self) -> StepOutput:
@@ -138,7 +143,12 @@ class ScriptEngine:
                 finished.append(
                     FinishedSequence(seq_id, tuple(out), (-0.5,) * len(out), FinishReason.LENGTH)
                 )
-        return StepOutput(self.steps, tuple(events), tuple(finished))
+        admitted, self._admitted = tuple(self._admitted), []
+        # a made-up prefill time: PREFILL_S per sequence admitted in the step
+        prefill_s = PREFILL_S * len(admitted)
+        return StepOutput(
+            self.steps, tuple(events), tuple(finished), admitted=admitted, prefill_s=prefill_s
+        )
 
     def abort(self, seq_ids: Iterable[int] | None = None) -> list[PartialOutput]:
         ids = list(self.running) if seq_ids is None else [i for i in seq_ids if i in self.running]
@@ -522,6 +532,11 @@ def test_reward_backlog_takes_rollout_replicas_and_gives_them_back(tmp_path):
         assert sum(r == "rollout" for r in cluster.roles().values()) >= 2
         finished = cluster.monitor.of(ShiftFinished)
         assert [f.outcome for f in finished] == ["done"] * len(finished) and len(finished) >= 2
+        # each shift's time splits into its phases, in order, summing to the whole
+        for f in finished:
+            assert f.kind == "shift"
+            assert list(f.phase_s) == [p.value for p in FORWARD[1:]]
+            assert sum(f.phase_s.values()) == pytest.approx(f.seconds)
         assert cluster.monitor.of(AllocationChanged)
         report = await cluster.client.request(
             "controller", QueryAllocation(), expect=AllocationReport
@@ -819,6 +834,7 @@ def test_cut_routing_stops_new_work_and_migration_moves_running_sequences(tmp_pa
         assert sorted(s.id for s in scheduler.core.running_on("rollout@1")) == [0, 1, 2]
         assert [s for s, n in cluster.engines[1]["rollout"].reprefills if n > 0] == [0, 1, 2]
         cluster.check_owners()
+        assert scheduler.migrations == []  # recorded once the sequences finish
         # unknown replicas are no-ops: the commands are idempotent
         again = await client.request(
             "rollout-sched", RemoveReplica(replica="rollout@9"), expect=ReplicaRemoved
@@ -826,6 +842,12 @@ def test_cut_routing_stops_new_work_and_migration_moves_running_sequences(tmp_pa
         assert not again.known
         await cluster.until_done()
         cluster.check_outputs()
+        # each migrated sequence's timings: abort and dispatch on the scheduler's clock, the
+        # re-prefill as the receiving engine reported it (three admitted in one step)
+        timings = sorted(scheduler.migrations, key=lambda m: m.seq_id)
+        assert [m.seq_id for m in timings] == [0, 1, 2]
+        assert all(m.tokens > 0 and m.abort_s >= 0.0 and m.dispatch_s >= 0.0 for m in timings)
+        assert [m.reprefill_s for m in timings] == [3 * PREFILL_S] * 3
         await cluster.stop()
 
     run_virtual(main)

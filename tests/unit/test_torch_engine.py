@@ -388,13 +388,17 @@ def test_stats_count_load_and_measure_steps(folder):
         engine.add(i, p[i], sampling=GREEDY)
     s = engine.stats()
     assert (s.running, s.waiting, s.kv_tokens, s.steps) == (0, 3, 0, 0)
-    engine.step()
+    # every clock reading advances 0.5 s: step start, prefill start and end, step end
+    out = engine.step()
+    assert out.admitted == (0, 1) and out.prefill_s == 0.5
     s = engine.stats()
     assert (s.running, s.waiting, s.steps, s.generated_tokens) == (2, 1, 1, 2)
     assert s.kv_tokens == len(p[0]) + len(p[1])
-    assert s.last_step_s == 0.5 and s.mean_step_s == 0.5
+    assert s.last_step_s == 1.5 and s.mean_step_s == 1.5
     assert s.kv_capacity_tokens == 2 * 64
-    engine.step()
+    out = engine.step()  # decode only: no prefill, two clock readings
+    assert out.admitted == () and out.prefill_s == 0.0
+    assert engine.stats().last_step_s == 0.5
     assert engine.stats().kv_tokens == len(p[0]) + len(p[1]) + 2
 
 
