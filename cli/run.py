@@ -19,6 +19,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -108,6 +109,7 @@ class Job:
             self.sockets, [*names, *self.agents.values(), *self.trainers]
         )
         self.bus = Bus.nng(self.directory, rl_messages())
+        self.scheduler_actors: dict[Role, Scheduler] = {}
         self.store = f"pivot-gps-{os.getpid()}"
 
     def _router(self):
@@ -265,13 +267,10 @@ class Job:
         sup = Supervisor(policy=RestartPolicy(max_restarts=2, window=60.0))
         # in this order: agents register with their scheduler as they start
         for role, name in self.schedulers.items():
-            sup.add_actor(
-                name,
-                lambda role=role, name=name: Scheduler(
-                    name, self.bus, role=role, router=self._router(), downstream="driver"
-                ),
-                policy=once,
+            self.scheduler_actors[role] = Scheduler(
+                name, self.bus, role=role, router=self._router(), downstream="driver"
             )
+            sup.add_actor(name, lambda role=role: self.scheduler_actors[role], policy=once)
         self.add_trainer(sup)
         self.add_agents(sup)
         if self.managed:
@@ -312,23 +311,50 @@ class Job:
         await self._driver.request("controller", TrainerPhaseChanged(phase="ready"), timeout=10.0)
 
 
-def main(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    job = load_toml(args.config, JobConfig)
-    if args.seed is not None:
-        job = msgspec.structs.replace(job, seed=args.seed)
-    if args.deployment is not None:
+def prepare(
+    config: str, *, seed: int | None = None, deployment: str | None = None
+) -> tuple[JobConfig, Path, Path | None]:
+    """The job's config with command-line overrides, validated, and its model folders."""
+    job = load_toml(config, JobConfig)
+    if seed is not None:
+        job = msgspec.structs.replace(job, seed=seed)
+    if deployment is not None:
         job = msgspec.structs.replace(
-            job, deployment=msgspec.structs.replace(job.deployment, kind=args.deployment)
+            job, deployment=msgspec.structs.replace(job.deployment, kind=deployment)
         )
-    job.validate(args.config)
-    policy = resolve_model(job.model.policy, args.config, "model.policy")
+    job.validate(config)
+    policy = resolve_model(job.model.policy, config, "model.policy")
     genrm = (
-        resolve_model(job.model.genrm, args.config, "model.genrm")
+        resolve_model(job.model.genrm, config, "model.genrm")
         if job.reward.kind == "genrm"
         else None
     )
+    return job, policy, genrm
+
+
+@contextlib.contextmanager
+def logs_to(path: Path) -> Iterator[None]:
+    """Actors' JSON logs (ours and the children's, which inherit stderr) go to ``path``."""
+    saved_stderr = os.dup(2)
+    log = path.open("ab")
+    os.dup2(log.fileno(), 2)
+    sys.stderr = os.fdopen(os.dup(2), "w", buffering=1)
+    configure_logging(os.environ.get("PIVOT_LOG_LEVEL", "info"), stream=sys.stderr)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        os.dup2(saved_stderr, 2)
+        os.close(saved_stderr)
+        sys.stderr = sys.__stderr__
+        log.close()
+
+
+def main(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    job, policy, genrm = prepare(args.config, seed=args.seed, deployment=args.deployment)
     run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
     console = Console(soft_wrap=True)
@@ -341,22 +367,10 @@ def main(args: argparse.Namespace) -> int:
         f"{c.devices} CPU devices ({ranks} trainer ranks, ZeRO-{job.training.zero_stage}); "
         f"deployment {d.kind}; torch engines and DeepSpeed over nng ipc://\nrun dir: {run_dir}"
     )
-    # actors' JSON logs (ours and the children's, which inherit stderr) go to the run dir
-    saved_stderr = os.dup(2)
-    log = (run_dir / "actors.log").open("ab")
-    os.dup2(log.fileno(), 2)
-    sys.stderr = os.fdopen(os.dup(2), "w", buffering=1)
-    configure_logging(os.environ.get("PIVOT_LOG_LEVEL", "info"), stream=sys.stderr)
     started = time.perf_counter()
     runner = Job(job, policy, genrm, run_dir, console)
-    try:
+    with logs_to(run_dir / "actors.log"):
         reports, monitor = run_real(runner.run())
-    finally:
-        with contextlib.suppress(Exception):
-            sys.stderr.flush()
-        os.dup2(saved_stderr, 2)
-        sys.stderr = sys.__stderr__
-        log.close()
     wall = time.perf_counter() - started
     trains = [
         TrainSpan(

@@ -1,0 +1,64 @@
+"""`pivot bench shift`: its medians from hand-made observations, and one short real run of the
+two deployments no other test runs (colocated, rollout-reward colocated) through the bench."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pivot.actors.scheduler import MigrationTiming
+from pivot.cli.bench_shift import migration_medians, shift_medians
+from pivot.timeline import ShiftMark
+
+
+def _mark(kind: str, seconds: float, released: float, acquired: float, registered: float):
+    phases = {"routing_cut": 0.001, "aborted": 0.002, "released": released}
+    phases |= {"acquired": acquired, "registered": registered, "done": 0.0}
+    return ShiftMark(t=0.0, kind=kind, allocation={}, seconds=seconds, phase_s=phases)
+
+
+def test_shift_medians_take_role_shifts_by_phase():
+    shifts = [
+        _mark("shift", 0.3, 0.01, 0.10, 0.02),
+        _mark("shift", 0.5, 0.03, 0.30, 0.04),
+        _mark("shift", 0.4, 0.02, 0.20, 0.06),
+        # trainer lending is not a role shift: its offload would skew the medians
+        _mark("lend_trainer", 9.0, 5.0, 5.0, 5.0),
+    ]
+    got = shift_medians(shifts)
+    assert got == pytest.approx({"release": 0.02, "gps_read": 0.2, "register": 0.04, "total": 0.4})
+    assert shift_medians([]) == dict.fromkeys(("release", "gps_read", "register", "total"))
+
+
+def test_migration_medians_per_sequence():
+    timings = [
+        MigrationTiming(seq_id=i, tokens=5, abort_s=a, dispatch_s=d, reprefill_s=r)
+        for i, (a, d, r) in enumerate([(0.1, 0.5, 0.02), (0.3, 0.1, 0.04), (0.2, 0.2, 0.03)])
+    ]
+    assert migration_medians(timings) == pytest.approx(
+        {"abort": 0.2, "dispatch": 0.2, "reprefill": 0.03}
+    )
+
+
+def test_bench_shift_runs_the_time_sharing_baselines(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "pivot.cli.main", "bench", "shift", "--steps", "2", "--json"]
+        + ["--deployments", "colocated", "rr-colocated", "--run-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(result) == {"shift_s", "migration_s", "samples_per_s"}
+    assert set(result["samples_per_s"]) == {"colocated", "rr-colocated"}
+    assert all(v > 0 for v in result["samples_per_s"].values())
+    # both switched stages every step: rollout -> reward (and colocated: -> training) and back
+    for kind, least in (("colocated", 5), ("rr-colocated", 3)):
+        journal = (tmp_path / kind / "shift.journal").read_bytes()
+        assert journal.count(b"planned") >= least, kind
+        metrics = (tmp_path / kind / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(line)["step"] for line in metrics] == [0, 1]
