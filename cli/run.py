@@ -35,6 +35,7 @@ from pivot.actors.shift_messages import AllocationReport, QueryAllocation, Train
 from pivot.actors.sources import TaskSource
 from pivot.actors.trainer import trainer_names
 from pivot.bus import Bus, Directory, RestartPolicy, Supervisor, configure_logging, run_real
+from pivot.cli.live import LiveView
 from pivot.cli.plot import plot_run
 from pivot.cluster import ClusterSpec, Device, Pool, Role, RoleSpec
 from pivot.config import ConfigError, load_toml
@@ -85,13 +86,20 @@ class Job:
     """The actors of one `pivot run`, assembled from the config."""
 
     def __init__(
-        self, job: JobConfig, policy: Path, genrm: Path | None, run_dir: Path, console
+        self,
+        job: JobConfig,
+        policy: Path,
+        genrm: Path | None,
+        run_dir: Path,
+        console,  # noqa: ANN001 - a rich Console
+        view: LiveView | None = None,
     ) -> None:
         self.job = job
         self.policy = policy
         self.genrm = genrm
         self.run_dir = run_dir
         self.console = console
+        self.view = view
         self.kind = job.deployment.kind
         self.layout = layout = job.layout()
         self.trainer_pool = layout.trainer_pool
@@ -205,6 +213,8 @@ class Job:
                 "" if report.genrm_agreement is None else f" genrm {report.genrm_agreement:4.2f}"
             )
             loss = f" loss {report.train['loss']:+.3f}" if report.train else ""
+            if self.view is not None:
+                self.view.on_step(report.reward_mean, report.samples_per_s)
             console.print(
                 f"step {report.step:3d}  reward {report.reward_mean:5.3f}  exact "
                 f"{report.accuracy:5.3f}{agree}{loss}  {report.samples_per_s:5.1f} samples/s "
@@ -212,12 +222,18 @@ class Job:
             )
 
         def on_sample(samples: list[RoleSample]) -> None:
+            if self.view is not None:
+                self.view.on_samples(samples)
             for sample in samples:
                 timeline.write(msgspec.json.encode(sample) + b"\n")
             timeline.flush()
 
         def on_shift(mark: ShiftMark) -> None:
             timeline.write(msgspec.json.encode(mark) + b"\n")
+            if self.view is not None:
+                self.view.on_shift(mark)
+            if console.is_terminal and self.view is not None:
+                return  # the live panel shows shifts; a log gets one line each
             console.print(
                 f"    shift ({mark.kind}, {mark.seconds:.2f} s): {_allocation_text(mark.allocation)}",
                 style="cyan",
@@ -353,6 +369,7 @@ def logs_to(path: Path) -> Iterator[None]:
 
 def main(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.live import Live
 
     job, policy, genrm = prepare(args.config, seed=args.seed, deployment=args.deployment)
     run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir()
@@ -368,9 +385,21 @@ def main(args: argparse.Namespace) -> int:
         f"deployment {d.kind}; torch engines and DeepSpeed over nng ipc://\nrun dir: {run_dir}"
     )
     started = time.perf_counter()
-    runner = Job(job, policy, genrm, run_dir, console)
-    with logs_to(run_dir / "actors.log"):
+    layout = job.layout()
+    allocation: dict[str, int] = {"training": len(layout.trainer_pool)}
+    for role in layout.initial_roles.values():
+        if role.value != "free":
+            allocation[role.value] = allocation.get(role.value, 0) + 1
+    view = LiveView(
+        job.steps,
+        d.kind,
+        allocation,
+        fixed={} if layout.lends_trainer else {"training": len(layout.trainer_pool)},
+    )
+    runner = Job(job, policy, genrm, run_dir, console, view)
+    with logs_to(run_dir / "actors.log"), Live(view, console=console, refresh_per_second=4):
         reports, monitor = run_real(runner.run())
+    console.print()
     wall = time.perf_counter() - started
     trains = [
         TrainSpan(

@@ -1,0 +1,47 @@
+"""The live panel of `pivot run`: what it shows as steps, samples and shifts arrive."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from pivot.cli.live import LiveView, sparkline
+from pivot.timeline import RoleSample, ShiftMark
+
+
+def _render(view: LiveView) -> str:
+    console = Console(file=io.StringIO(), width=100, color_system=None)
+    console.print(view)
+    return console.file.getvalue()
+
+
+def test_sparkline_maps_rewards_to_bar_heights():
+    assert sparkline([0.0, 0.5, 1.0]) == "▁▅█"
+    assert sparkline([-1.0, 2.0]) == "▁█"  # out-of-range scores clamp
+    assert len(sparkline([0.3] * 50, width=30)) == 30
+
+
+def test_panel_follows_steps_throughput_and_shifts():
+    view = LiveView(20, "pivot", {"rollout": 1, "reward": 1, "training": 2})
+    text = _render(view)
+    assert "step 0/20" in text and "waiting for step 0" in text
+    for reward in (0.2, 0.3, 0.4):
+        view.on_step(reward, samples_per_s=31.5)
+    view.on_samples([RoleSample(t=1.0, role="rollout", tokens_per_s=1234.0, outstanding=7)])
+    view.on_shift(ShiftMark(t=1.0, kind="lend_trainer", allocation={"rollout": 3, "reward": 1}))
+    text = _render(view)
+    assert "step 3/20" in text and "last 0.400" in text
+    assert "first 5 0.300 -> last 5 0.300" in text and "31.5 samples/s" in text
+    rollout = next(line for line in text.splitlines() if " rollout " in line)
+    assert rollout.split()[-3:] == ["3", "1,234", "7"]
+    training = next(line for line in text.splitlines() if " training " in line)
+    assert training.split()[-1] == "0"  # lent: no device trains
+    assert "shifts 1 (lend_trainer 1)" in text
+
+
+def test_a_fixed_trainer_pool_stays_on_the_panel_across_shifts():
+    view = LiveView(4, "rr-colocated", {"rollout": 2, "training": 2}, fixed={"training": 2})
+    view.on_shift(ShiftMark(t=0.5, kind="shift", allocation={"reward": 2}))
+    training = next(line for line in _render(view).splitlines() if " training " in line)
+    assert training.split()[-1] == "2"
