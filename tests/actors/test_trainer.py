@@ -12,6 +12,7 @@ import os
 import uuid
 from pathlib import Path
 
+import msgspec
 import pytest
 import pytest_asyncio
 import torch
@@ -292,8 +293,11 @@ class Group:
         return version, into
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def group(tmp_path_factory: pytest.TempPathFactory):
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=[2, 3], ids=["zero2", "zero3"])
+async def group(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest):
+    """The group at ZeRO-2 and at ZeRO-3 (parameters partitioned: no persistence threshold;
+    DeepSpeed's FusedAdam, JIT-built on first use)."""
+    settings = msgspec.structs.replace(SETTINGS, zero_stage=request.param)
     folder = tmp_path_factory.mktemp("trainer")
     checkpoint = make_checkpoint(folder / "tiny")
     names = trainer_names("trainer", WORLD)
@@ -308,7 +312,7 @@ async def group(tmp_path_factory: pytest.TempPathFactory):
         world_size=WORLD,
         run_dir=folder,
         store_name=store,
-        settings=SETTINGS,
+        settings=settings,
     )
     samples = make_samples(checkpoint)  # while nothing else runs: the ranks start next
     await supervisor.start()
