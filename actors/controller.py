@@ -538,7 +538,7 @@ class Controller(Actor):
         holds = None
         if self.trainer is not None:
             status = await self._ask(self.trainer, QueryTrainer(), TrainerStatus, timeout)
-            holds = None if status is None else status.state != "offloaded"
+            holds = None if status is None else status.holds_pool
         return agents, schedulers, holds
 
     async def _ask(self, to: str, msg: msgspec.Struct, expect: type, timeout: float):  # noqa: ANN202

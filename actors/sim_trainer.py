@@ -77,6 +77,7 @@ class SimTrainerActor(Actor):
             steps=self.trainer.steps,
             store=None,
             seconds=seconds,
+            holds_pool=self.trainer.awake,
         )
 
     async def _set_state(self, state: TrainerStateName) -> None:

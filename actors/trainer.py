@@ -582,6 +582,7 @@ class Trainer(Actor):
             store=store.name if store is not None else None,
             fingerprints=fingerprints or [],
             seconds=seconds,
+            holds_pool=self._holds_pool.is_set(),
         )
 
     @handles

@@ -68,6 +68,9 @@ class TrainerStatus(RLMessage, kw_only=True):
     store: str | None
     fingerprints: list[str] = []
     seconds: float = 0.0
+    # whether it holds its pool: a batch that found the pool lent makes the state
+    # "training" while the pool still serves inference, until the Controller reclaims it
+    holds_pool: bool = True
 
 
 class TrainerState(RLMessage, kw_only=True):

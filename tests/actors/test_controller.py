@@ -209,10 +209,10 @@ class FakeTrainer(Actor):
         super().__init__(name, bus)
         self.state = "idle"
         self.calls: list[str] = []
+        self.holds_pool = True
 
-    @property
-    def holds_pool(self) -> bool:
-        return self.state != "offloaded"
+    def lend(self) -> None:
+        self.state, self.holds_pool = "offloaded", False
 
     def _status(self) -> TrainerStatus:
         return TrainerStatus(
@@ -223,6 +223,7 @@ class FakeTrainer(Actor):
             zero_stage=0,
             steps=0,
             store=None,
+            holds_pool=self.holds_pool,
         )
 
     @handles
@@ -232,12 +233,13 @@ class FakeTrainer(Actor):
     @handles
     def offload(self, msg: OffloadTrainer) -> TrainerStatus:
         self.calls.append("offload")
-        self.state = "offloaded"
+        self.lend()
         return self._status()
 
     @handles
     def reload(self, msg: ReloadTrainer) -> TrainerStatus:
         self.calls.append("reload")
+        self.holds_pool = True
         if self.state == "offloaded":
             self.state = "idle"
         return self._status()
@@ -623,7 +625,7 @@ def test_a_trainer_that_trains_without_its_pool_gets_it_back(tmp_path):
     async def main(clock):
         layout = {0: ("rollout", "rollout@0", (0,)), 1: ("reward", "reward@1", (1,))}
         cluster = Cluster(clock, trainer_cluster(), layout, trainer=True)
-        cluster.trainer.state = "offloaded"
+        cluster.trainer.lend()
         await cluster.start()
         await cluster.submit("reward", 0, 40, 40)
         controller = await cluster.run_controller(open_journal(tmp_path / "journal"))
@@ -631,6 +633,36 @@ def test_a_trainer_that_trains_without_its_pool_gets_it_back(tmp_path):
         cluster.trainer.state = "training"
         await cluster.until(lambda: cluster.roles()[2] == "training", "the pool reclaimed")
         await cluster.until(lambda: controller.shift is None, "the reclaim finished")
+        assert cluster.trainer.calls == ["reload"] and cluster.problems() == []
+        await cluster.until_done()
+        cluster.check_outputs()
+        await cluster.stop()
+
+    run_virtual(main)
+
+
+def test_a_restarted_controller_reads_a_waiting_trainer_as_lent_and_reclaims(tmp_path):
+    """The Controller restarts while a batch waits for the lent pool (state "training",
+    pool serving reward): recovery must read the pool as lent, not as training, and then
+    reclaim it for the waiting batch."""
+
+    async def main(clock):
+        layout = {0: ("rollout", "rollout@0", (0,)), 1: ("reward", "reward@1", (1,))}
+        cluster = Cluster(clock, trainer_cluster(), layout, trainer=True)
+        cluster.trainer.lend()
+        await cluster.start()
+        await cluster.submit("reward", 0, 40, 40)
+        first = await cluster.run_controller(open_journal(tmp_path / "journal"))
+        await cluster.until(lambda: cluster.roles()[2] == "reward", "the pool serving reward")
+        await cluster.until(lambda: first.shift is None, "the lend finished")
+        await first.stop()
+        first.journal.close()
+        cluster.trainer.state = "training"  # a batch arrived; the pool is still lent
+        second = await cluster.run_controller(open_journal(tmp_path / "journal"))
+        await second.recovered.wait()
+        assert second.recovery_problems == []
+        assert not any(r.role is Role.TRAINING for r in second.allocation.replicas.values())
+        await cluster.until(lambda: cluster.roles()[2] == "training", "the pool reclaimed")
         assert cluster.trainer.calls == ["reload"] and cluster.problems() == []
         await cluster.until_done()
         cluster.check_outputs()
