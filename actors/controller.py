@@ -465,6 +465,7 @@ class Controller(Actor):
         state = recover(opened.records)
         self.journal_problems.extend(state.problems)
         self._next_txn = state.next_txn
+        self.planner.resume(state.done)
         txn = state.unfinished
         if txn is not None:
             self.log.info("recovering shift", txn=txn.txn, phase=txn.phase.value)

@@ -22,8 +22,8 @@ Pure and synchronous: ``now`` comes in the snapshot, phase times from an injecte
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping
-from typing import Annotated, Literal, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Annotated, Literal, Protocol
 
 import msgspec
 import numpy as np
@@ -35,6 +35,9 @@ from pivot.cost import CostModel
 from pivot.evaluation import RoleLoad, RoleOutcome, build_role_load, objective, simulate_role
 from pivot.routing import REWARD_ROUTER, ROLLOUT_ROUTER, RouterSettings, make_router
 from pivot.snapshot import ClusterSnapshot, ReplicaState, SnapshotError, TrainerPhase
+
+if TYPE_CHECKING:  # pivot.shift imports this module
+    from pivot.shift import DoneShift
 
 NonNegative = Annotated[float, msgspec.Meta(ge=0.0)]
 TRAINER_ID = "trainer"
@@ -121,6 +124,10 @@ class ShiftPolicy(Protocol):
     def decide(self, snapshot: ClusterSnapshot) -> Decision: ...
 
     def record_shift_time(self, seconds: float) -> None: ...
+
+    def resume(self, done: Sequence[DoneShift]) -> None:
+        """After a restart: the state the journaled shifts leave (see ``Planner.resume``)."""
+        ...
 
 
 class _Phases:
@@ -559,6 +566,16 @@ class Planner:
             raise ValueError(f"a shift cannot take {seconds} s")
         alpha = self.settings.migrate_time_alpha
         self.migrate_time_s = (1 - alpha) * self.migrate_time_s + alpha * seconds
+
+    def resume(self, done: Sequence[DoneShift]) -> None:
+        """A restarted Controller's planner continues where the journal leaves it: the
+        shift-time average over the shifts done, and the cooldown from the last role shift
+        (its plan's time: when the planner returned it)."""
+        for shift in done:
+            self.record_shift_time(max(shift.done_at - shift.started_at, 0.0))
+        shifts = [s for s in done if s.kind == "shift"]
+        if shifts:
+            self.last_action_at = shifts[-1].started_at
 
     def decide(self, snapshot: ClusterSnapshot) -> Decision:
         decision = plan_shift(

@@ -362,13 +362,23 @@ class ShiftTransaction:
         )
 
 
+class DoneShift(NamedTuple):
+    """A journaled shift that reached ``done``: its plan's kind and when it began and ended."""
+
+    kind: str
+    started_at: float
+    done_at: float
+
+
 class JournalState(NamedTuple):
     """What a replayed journal says: the unfinished shift (if any), the next free txn id,
-    and anything in it that did not add up."""
+    anything in it that did not add up, and the shifts done (in order), whose durations and
+    times a restarted planner resumes from."""
 
     unfinished: ShiftTransaction | None
     next_txn: int
     problems: list[str]
+    done: list[DoneShift] = []
 
 
 def recover(records: Iterable[ShiftRecord]) -> JournalState:
@@ -377,6 +387,7 @@ def recover(records: Iterable[ShiftRecord]) -> JournalState:
     current: ShiftTransaction | None = None
     next_txn = 1
     problems: list[str] = []
+    done: list[DoneShift] = []
     for record in records:
         if isinstance(record, ShiftPlanned):
             if current is not None and not current.finished:
@@ -396,13 +407,15 @@ def recover(records: Iterable[ShiftRecord]) -> JournalState:
         elif record.phase is expected:
             current.phase = record.phase
             current.failed = set(record.failed)
+            if record.phase is Phase.DONE:
+                done.append(DoneShift(current.plan.kind, current.started_at, record.at))
         else:
             want = expected.value if expected else "nothing"
             problems.append(
                 f"shift {record.txn}: phase {record.phase.value!r} recorded, expected {want}"
             )
     unfinished = current if current is not None and not current.finished else None
-    return JournalState(unfinished, next_txn, problems)
+    return JournalState(unfinished, next_txn, problems, done)
 
 
 # --- reconciliation -------------------------------------------------------------------------

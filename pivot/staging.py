@@ -6,10 +6,11 @@ one. It has the planner's interface (``decide(snapshot) -> Decision``,
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from pivot.cluster import INFERENCE_ROLES, ClusterSpec, Move, Role, other_inference_role
 from pivot.planner import TRAINER_ID, Decision, ShiftPlan
+from pivot.shift import DoneShift
 from pivot.snapshot import ClusterSnapshot, TrainerPhase
 
 
@@ -31,6 +32,9 @@ class StagePolicy:
 
     def record_shift_time(self, seconds: float) -> None:
         self.migrate_time_s = seconds
+
+    def resume(self, done: Sequence[DoneShift]) -> None:
+        """Stateless between decisions: a restart loses nothing."""
 
     def decide(self, snapshot: ClusterSnapshot) -> Decision:
         if snapshot.shift_in_flight:

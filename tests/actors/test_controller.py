@@ -661,6 +661,9 @@ def test_a_restarted_controller_reads_a_waiting_trainer_as_lent_and_reclaims(tmp
         second = await cluster.run_controller(open_journal(tmp_path / "journal"))
         await second.recovered.wait()
         assert second.recovery_problems == []
+        # the planner resumes from the journal: the same shift-time average as before
+        assert first.planner.migrate_time_s != SETTINGS.planner.migrate_time_init_s
+        assert second.planner.migrate_time_s == pytest.approx(first.planner.migrate_time_s)
         assert not any(r.role is Role.TRAINING for r in second.allocation.replicas.values())
         await cluster.until(lambda: cluster.roles()[2] == "training", "the pool reclaimed")
         assert cluster.trainer.calls == ["reload"] and cluster.problems() == []

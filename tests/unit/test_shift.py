@@ -615,3 +615,30 @@ def test_a_crash_anywhere_recovers_to_a_consistent_allocation(case):
         assert after in (before, planned_after), crash_at
         outcomes.add("forward" if after == planned_after else "back")
     assert outcomes == {"forward", "back"}
+
+
+def test_recover_lists_the_shifts_done_for_a_restarted_planner():
+    from pivot.cost import CostModel
+    from pivot.planner import Planner, PlannerSettings
+    from pivot.shift import DoneShift
+
+    first, p1 = ShiftTransaction.begin(1, SHIFT, at=10.0)
+    lend_plan = ShiftPlan(
+        kind="lend_trainer", receiver=Role.FREE, moves=(evict("trainer", Role.TRAINING, 2, 3),)
+    )
+    second, p2 = ShiftTransaction.begin(2, lend_plan, at=20.0)
+    third, p3 = ShiftTransaction.begin(3, SHIFT, at=30.0)
+    # drive() stamps each phase with its index: shifts 1 and 2 end at 5.0; 3 is left open
+    records = [p1, *drive(first), p2, *drive(second), p3, *drive(third)[:3]]
+    state = recover(records)
+    assert state.unfinished.txn == 3 and state.problems == []
+    assert state.done == [DoneShift("shift", 10.0, 5.0), DoneShift("lend_trainer", 20.0, 5.0)]
+
+    done = [DoneShift("shift", 0.0, 2.0), DoneShift("lend_trainer", 3.0, 4.0)]
+    settings = PlannerSettings(migrate_time_init_s=1.0, migrate_time_alpha=0.5)
+    model = CostModel(a=1e-7, b=1e-3, c=1e-5, d=1e-3)
+    planner = Planner(spec(), {Role.ROLLOUT: model, Role.REWARD: model}, settings)
+    planner.resume(done)
+    # the average folds 2.0 then 1.0 into 1.0; the cooldown runs from the last role shift
+    assert planner.migrate_time_s == pytest.approx(0.5 * (0.5 * 1.0 + 0.5 * 2.0) + 0.5 * 1.0)
+    assert planner.last_action_at == 0.0
