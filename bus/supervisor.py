@@ -216,6 +216,8 @@ class Supervisor:
         self._stopping = False
         self._started = False
         self._stop_task: asyncio.Task[None] | None = None
+        # the signal that stopped it (a start that fails after one was interrupted, not broken)
+        self.signalled: signal.Signals | None = None
 
     # -- configuration
 
@@ -346,6 +348,7 @@ class Supervisor:
 
     def _on_signal(self, sig: signal.Signals) -> None:
         self.log.info("signal received, stopping", signal=signal.Signals(sig).name)
+        self.signalled = signal.Signals(sig)
         self._stop_task = asyncio.get_running_loop().create_task(self.stop())
 
     async def stop(self) -> None:

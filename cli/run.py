@@ -295,12 +295,19 @@ class Job:
         sup.add_actor("driver", lambda: driver, policy=once)
         sup.install_signal_handlers()
         try:
-            await sup.start()
+            try:
+                await sup.start()
+            except Exception:
+                if sup.signalled is not None:  # children stopped by the signal mid-start
+                    raise KeyboardInterrupt from None
+                raise
             done = asyncio.ensure_future(driver.finished.wait())
             failed = asyncio.ensure_future(sup.wait())
             await asyncio.wait([done, failed], return_when=asyncio.FIRST_COMPLETED)
             if failed.done():
                 failed.result()  # raises the escalation
+                if sup.signalled is not None:
+                    raise KeyboardInterrupt
             failed.cancel()
         finally:
             await sup.stop()
@@ -397,8 +404,15 @@ def main(args: argparse.Namespace) -> int:
         fixed={} if layout.lends_trainer else {"training": len(layout.trainer_pool)},
     )
     runner = Job(job, policy, genrm, run_dir, console, view)
-    with logs_to(run_dir / "actors.log"), Live(view, console=console, refresh_per_second=4):
-        reports, monitor = run_real(runner.run())
+    try:
+        with logs_to(run_dir / "actors.log"), Live(view, console=console, refresh_per_second=4):
+            reports, monitor = run_real(runner.run())
+    except KeyboardInterrupt:
+        console.print(
+            f"\ninterrupted after {len(view.rewards)} steps; every child stopped; "
+            f"what ran is in {run_dir}"
+        )
+        raise
     console.print()
     wall = time.perf_counter() - started
     trains = [
