@@ -46,7 +46,6 @@ evacuate, release, acquire, register); None: shifts cost nothing but their messa
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -205,7 +204,8 @@ class RoleAgent(Actor):
         # in flight), and the engine time up to which its iterations have run
         self._segment_start: float | None = None
         self._engine_free_at = 0.0
-        self._interrupt = asyncio.Event()
+        # what the run loop awaits until the segment's end; a handler settling it wakes it early
+        self._wake: asyncio.Future[None] | None = None
         self._engine_lock = asyncio.Lock()
         self._report_lock = asyncio.Lock()
         # one role change at a time: a repeated Acquire (a restarted Controller) waits for the
@@ -500,12 +500,18 @@ class RoleAgent(Actor):
                 raise RuntimeError(f"agent {self.name!r}: the engine holds work it cannot run")
             start = max(self.clock.now(), self._engine_free_at)
             self._segment_start = start
-            self._interrupt.clear()
         delay = start + cost - self.clock.now()
         if delay > 0:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(delay):
-                    await self._interrupt.wait()
+            # one future and one timer a segment: a timeout around an Event would cancel the
+            # task at every segment's end, and a replica runs thousands of segments
+            loop = asyncio.get_running_loop()
+            self._wake = wake = loop.create_future()
+            timer = loop.call_at(loop.time() + delay, _wake_up, wake)
+            try:
+                await wake
+            finally:
+                timer.cancel()
+                self._wake = None
         async with self._engine_lock:
             if self._segment_start != start or engine is not self.engine:
                 return  # settled by a handler: plan the next segment from the engine as it is
@@ -522,7 +528,7 @@ class RoleAgent(Actor):
         if start is None:
             return
         self._segment_start = None
-        self._interrupt.set()
+        _wake_up(self._wake)
         engine = self.engine
         elapsed = self.clock.now() - start
         if elapsed <= 0 or engine is None or not engine.has_unfinished():
@@ -588,10 +594,13 @@ class RoleAgent(Actor):
         )
 
 
+def _wake_up(wake: asyncio.Future[None] | None) -> None:
+    if wake is not None and not wake.done():
+        wake.set_result(None)
+
+
 def _partial(p: Any) -> Partial:
-    return Partial(
-        seq_id=int(p.seq_id), token_ids=copy_ids(p.token_ids), logprobs=list(p.logprobs)
-    )
+    return Partial(seq_id=int(p.seq_id), token_ids=copy_ids(p.token_ids), logprobs=list(p.logprobs))
 
 
 def torch_agent(

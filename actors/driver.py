@@ -4,8 +4,24 @@ Each step it takes prompts x samples sequences from its ``Source``, submits them
 rollout scheduler, streams every finished response to the reward scheduler as a GenRM
 sequence the moment it arrives (so judging overlaps rollout's long tail), turns each
 judgment into a score, and once the whole batch is scored asks the trainer for a step; the
-new policy version then tags the next step's sequences. Without a GenRM the source's exact
+new policy version then tags later steps' sequences. Without a GenRM the source's exact
 checker scores responses; without a trainer the policy stays fixed.
+
+``staleness`` bounds how far rollout may run ahead of training (asynchronous RL, as the
+paper's launchers run every deployment but the colocated one; paper-notes 2.7). With 0 (the
+default) the loop is synchronous: step k's sequences are submitted once step k - 1 trained.
+With s > 0, batch k is submitted as soon as step k - s - 1 trained, i.e. while the policy is
+at most s versions behind it, so rollout of the next batches overlaps the long tail of the
+current one and the training of the previous one; the trainer still steps on whole batches,
+in order. Step reports' ``seconds`` run from submission to trained; steps may overlap, so a
+run lasts from the first step's start to the last step's end, not the sum.
+
+    Driver(name, bus, *, source, steps, rollout_scheduler, reward_scheduler=None,
+           trainer=None, staleness=0, on_step=None, replicas=None, on_batch_ready=None,
+           before_first_step=None, startup_timeout=300.0, request_timeout=30.0,
+           train_timeout=600.0)
+        .reports, .finished (asyncio.Event), .policy_version
+        .oldest_open_stage() -> "rollout" | "reward" | None
 """
 
 from __future__ import annotations
@@ -48,6 +64,20 @@ class StepReport(msgspec.Struct, frozen=True, kw_only=True):
     train: dict | None = None  # the trainer's statistics of this step
 
 
+class _Batch:
+    """One step's sequences from submission to training."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.version = 0  # the policy version its sequences were submitted with
+        self.samples: dict[int, Sample] = {}
+        self.responses = 0
+        self.scored = 0
+        self.started = 0.0
+        self.last_response_at = 0.0
+        self.done = asyncio.Event()  # every sample scored
+
+
 class Driver(Actor):
     def __init__(
         self,
@@ -59,6 +89,7 @@ class Driver(Actor):
         rollout_scheduler: str,
         reward_scheduler: str | None = None,
         trainer: str | None = None,
+        staleness: int = 0,
         on_step: Callable[[StepReport], None] | None = None,
         replicas: dict[str, int] | None = None,
         startup_timeout: float = 300.0,
@@ -70,8 +101,11 @@ class Driver(Actor):
         super().__init__(name, bus)
         if source.judged and reward_scheduler is None:
             raise ValueError("a judged source needs a reward scheduler")
+        if staleness < 0:
+            raise ValueError(f"staleness must be >= 0, got {staleness}")
         self.source = source
         self.steps = steps
+        self.staleness = staleness
         self.rollout_scheduler = rollout_scheduler
         self.reward_scheduler = reward_scheduler
         self.trainer = trainer
@@ -85,14 +119,13 @@ class Driver(Actor):
         # e.g. wait until the Controller has recovered its allocation
         self.before_first_step = before_first_step
         self.policy_version = 0
-        self._batch_version = 0
         self.reports: list[StepReport] = []
         self.finished = asyncio.Event()
-        self._samples: dict[int, Sample] = {}
-        self._responses = 0
-        self._scored = 0
-        self._last_response_at = 0.0
-        self._batch_done = asyncio.Event()
+        self._batches = [_Batch(k) for k in range(steps)]
+        self._owner: dict[int, _Batch] = {}  # sequence -> its batch, until the batch trained
+        self._submitted = 0
+        self._trained = 0  # steps done (trained, with a trainer)
+        self._progress = asyncio.Event()  # a step was done
 
     # -- completions from both stages
 
@@ -104,30 +137,31 @@ class Driver(Actor):
             self._on_judgments(msg.completions)
         else:
             raise ValueError(f"completions of unknown role {msg.role!r}")
-        if self._samples and self._scored == len(self._samples):
-            self._batch_done.set()
         return Ack(count=len(msg.completions))
 
-    def _known(self, completion: Completion) -> Sample | None:
-        sample = self._samples.get(completion.seq_id)
-        if sample is None:
+    def _find(self, completion: Completion) -> tuple[_Batch, Sample] | None:
+        batch = self._owner.get(completion.seq_id)
+        if batch is None:
             self.log.warning("completion of an unknown sequence", seq_id=completion.seq_id)
-        return sample
+            return None
+        return batch, batch.samples[completion.seq_id]
 
     async def _on_responses(self, completions: list[Completion]) -> None:
         judge = []
+        now = self.clock.now()
         for c in completions:
-            sample = self._known(c)
-            if sample is None or sample.response is not None:
+            found = self._find(c)
+            if found is None or found[1].response is not None:
                 continue  # a duplicate delivery: the first one counts
+            batch, sample = found
             sample.response = c
-            self._responses += 1
-            self._last_response_at = self.clock.now()
+            batch.responses += 1
+            batch.last_response_at = now
             sample.correct = self.source.check(sample)
             if self.source.judged:
                 judge.append(self.source.judge(sample))
             else:
-                self._score(sample)
+                self._score(batch, sample)
         if judge:
             await self.request(
                 self.reward_scheduler,
@@ -137,16 +171,28 @@ class Driver(Actor):
 
     def _on_judgments(self, completions: list[Completion]) -> None:
         for c in completions:
-            sample = self._known(c)
-            if sample is None or sample.judgment is not None:
+            found = self._find(c)
+            if found is None or found[1].judgment is not None:
                 continue
+            batch, sample = found
             sample.judgment = c
-            self._score(sample)
+            self._score(batch, sample)
 
-    def _score(self, sample: Sample) -> None:
+    def _score(self, batch: _Batch, sample: Sample) -> None:
         if sample.score is None:
             sample.score = self.source.score(sample)
-            self._scored += 1
+            batch.scored += 1
+            if batch.scored == len(batch.samples):
+                batch.done.set()
+
+    def oldest_open_stage(self) -> str | None:
+        """The stage the oldest batch not yet scored is in: what a time-multiplexed pool
+        should serve next. None when every submitted batch is scored."""
+        for batch in self._batches[: self._submitted]:
+            if batch.done.is_set():
+                continue
+            return "rollout" if batch.responses < len(batch.samples) else "reward"
+        return None
 
     # -- the loop
 
@@ -171,43 +217,63 @@ class Driver(Actor):
         await self._wait_for_replicas()
         if self.before_first_step is not None:
             await self.before_first_step()
-        for step in range(self.steps):
-            self._batch_version = self.policy_version
-            batch = self.source.batch(step, self.policy_version)
-            self._samples = {sample.seq_id: sample for sample, _ in batch}
-            self._responses = self._scored = 0
-            self._batch_done.clear()
-            start = self.clock.now()
-            await self.request(
-                self.rollout_scheduler,
-                SubmitSequences(sequences=[work for _, work in batch]),
-                timeout=self.request_timeout,
-            )
-            await self._batch_done.wait()
+        if self.staleness:
+            self.spawn(self._submit_ahead(), name="submit")
+        for batch in self._batches:
+            if not self.staleness:
+                await self._submit(batch)
+            await batch.done.wait()
             scored_at = self.clock.now()
             train = None
             if self.trainer is not None:
                 if self.on_batch_ready is not None:
                     await self.on_batch_ready()
-                samples = list(self._samples.values())
                 reply = await self.request(
                     self.trainer,
-                    self.source.train_request(step, samples),
+                    self.source.train_request(batch.step, list(batch.samples.values())),
                     timeout=self.train_timeout,
                 )
-                train = msgspec.to_builtins(getattr(reply, "stats", reply))
-                self.policy_version = int(getattr(getattr(reply, "stats", reply), "version", 0))
-            report = self._report(step, start, scored_at, train)
+                stats = getattr(reply, "stats", reply)
+                train = msgspec.to_builtins(stats)
+                self.policy_version = int(getattr(stats, "version", 0))
+            report = self._report(batch, scored_at, train)
+            for seq_id in batch.samples:
+                self._owner.pop(seq_id, None)
+            batch.samples = {}
+            self._trained += 1
+            self._progress.set()
             self.reports.append(report)
             if self.on_step is not None:
                 self.on_step(report)
         self.finished.set()
 
-    def _report(self, step: int, start: float, scored_at: float, train: dict | None) -> StepReport:
-        samples = list(self._samples.values())
+    async def _submit_ahead(self) -> None:
+        """Submit each batch once training is at most ``staleness`` steps behind it."""
+        for batch in self._batches:
+            while self._trained < batch.step - self.staleness:
+                self._progress.clear()
+                await self._progress.wait()
+            await self._submit(batch)
+
+    async def _submit(self, batch: _Batch) -> None:
+        batch.version = self.policy_version
+        pairs = self.source.batch(batch.step, batch.version)
+        batch.samples = {sample.seq_id: sample for sample, _ in pairs}
+        for seq_id in batch.samples:
+            self._owner[seq_id] = batch
+        batch.started = self.clock.now()
+        self._submitted += 1
+        await self.request(
+            self.rollout_scheduler,
+            SubmitSequences(sequences=[work for _, work in pairs]),
+            timeout=self.request_timeout,
+        )
+
+    def _report(self, batch: _Batch, scored_at: float, train: dict | None) -> StepReport:
+        samples = list(batch.samples.values())
         n = len(samples)
         end = self.clock.now()
-        seconds = max(end - start, 1e-9)
+        seconds = max(end - batch.started, 1e-9)
         response_tokens = sum(len(s.response.token_ids) for s in samples if s.response)
         judgment_tokens = sum(len(s.judgment.token_ids) for s in samples if s.judgment)
         checked = [s for s in samples if s.correct is not None]
@@ -220,8 +286,8 @@ class Driver(Actor):
             if s.judgment:
                 reward_by[s.judgment.replica] = reward_by.get(s.judgment.replica, 0) + 1
         return StepReport(
-            step=step,
-            policy_version=self._batch_version,
+            step=batch.step,
+            policy_version=batch.version,
             samples=n,
             reward_mean=sum(s.score or 0.0 for s in samples) / n,
             accuracy=sum(bool(s.correct) for s in checked) / len(checked) if checked else None,
@@ -231,8 +297,8 @@ class Driver(Actor):
             malformed_judgments=sum(s.malformed for s in samples),
             response_tokens=response_tokens,
             judgment_tokens=judgment_tokens,
-            started_s=start,
-            rollout_s=self._last_response_at - start,
+            started_s=batch.started,
+            rollout_s=batch.last_response_at - batch.started,
             seconds=seconds,
             train_s=end - scored_at,
             samples_per_s=n / seconds,

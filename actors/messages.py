@@ -2,19 +2,19 @@
 
 Whatever must arrive (sequences, completions, scores, shift commands) travels as a request and
 is acknowledged; only what the next sample replaces (load metrics) is published. Token ids
-travel as lists of ints; msgpack keeps them compact. A simulated sequence's ids are
-``Placeholders``: only their count travels.
+travel as lists of ints; msgpack keeps them compact. A simulated engine's are
+``pivot.sim_engine.Placeholders``: only their count travels.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import msgspec
 
 from pivot.bus import Message
 from pivot.engine import FinishReason, SamplingParams
+from pivot.sim_engine import Placeholders
 
 PROTOCOL_VERSION = 1
 
@@ -23,20 +23,8 @@ class RLMessage(Message):
     """Base of every RL message; the codec is built from its subclasses."""
 
 
-class Placeholders(msgspec.Struct, frozen=True):
-    """``count`` token ids that no one reads (a simulated engine's; every one is 0): only the
-    count travels. Copying thousands of ids per hop would dominate a simulation's wall time,
-    and everything that counts tokens (``len``) reads these as it reads a list."""
-
-    count: int
-
-    def __len__(self) -> int:
-        return self.count
-
-    def __iter__(self) -> Iterator[int]:
-        return itertools.repeat(0, self.count)
-
-
+# a simulated engine's ids travel as their count: copying thousands of ids per hop would
+# dominate a simulation's wall time
 TokenIds = list[int] | Placeholders
 
 

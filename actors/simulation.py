@@ -14,8 +14,8 @@ configurations, not separate code"):
   trainer pool (P devices) while the trainer waits for a batch.
 
 The RL loop runs with bounded staleness as in the paper's launchers (``staleness`` batches may
-run ahead of training, ``pivot.actors.streaming_driver``; 2 by default), except colocated, whose
-devices time-share every stage and so run synchronously (the plain ``Driver``). Baselines route
+run ahead of training, ``pivot.actors.driver``; 2 by default), except colocated, whose devices
+time-share every stage and so run synchronously (staleness 0). Baselines route
 round-robin and PivotRL with the paper's routers, as the launchers do (paper-notes 2.5, 2.8).
 Weights are not moved by messages: an Acquire costs the modelled GPS read time instead.
 
@@ -55,12 +55,11 @@ from pivot.actors.agent import RoleAgent
 from pivot.actors.controller import Controller, ControllerSettings
 from pivot.actors.driver import Driver, StepReport
 from pivot.actors.journal import Journal
-from pivot.actors.messages import Placeholders, rl_messages
+from pivot.actors.messages import rl_messages
 from pivot.actors.scheduler import Scheduler
 from pivot.actors.shift_messages import AllocationChanged, ShiftFinished, ShiftStarted
 from pivot.actors.sim_trainer import SimTrainerActor
-from pivot.actors.sources import Sample, WorkloadSource
-from pivot.actors.streaming_driver import StreamingDriver
+from pivot.actors.sources import WorkloadSource
 from pivot.bus import Actor, Bus, LocalTransport, run_virtual
 from pivot.cluster import (
     INFERENCE_ROLES,
@@ -72,7 +71,6 @@ from pivot.cluster import (
     RoleSpec,
 )
 from pivot.config import ConfigStruct
-from pivot.engine import FinishedSequence, PartialOutput, StepOutput
 from pivot.planner import TRAINER_ID, Decision, PlannerSettings
 from pivot.routing import (
     REWARD_ROUTER,
@@ -81,8 +79,7 @@ from pivot.routing import (
     check_ownership,
     make_router,
 )
-from pivot.shift import ShiftRecord
-from pivot.sim_engine import SimInferenceEngine
+from pivot.shift import DoneShift, ShiftRecord
 from pivot.snapshot import ClusterSnapshot
 from pivot.staging import StagePolicy
 from pivot.timeline import RoleSample, ShiftMark, TrainSpan, overall_throughput
@@ -308,6 +305,9 @@ class _CheckedPolicy:
     def record_shift_time(self, seconds: float) -> None:
         self.inner.record_shift_time(seconds)
 
+    def resume(self, done: Sequence[DoneShift]) -> None:
+        self.inner.resume(done)
+
     def decide(self, snapshot: ClusterSnapshot) -> Decision:
         current = self.allocation()
         if not snapshot.shift_in_flight and (self.every_tick or current is not self._checked):
@@ -413,86 +413,6 @@ class _Observer(Actor):
                 self.on_shift_event(pub.message)
             self.sample()
             await self.clock.sleep(self.interval)
-
-
-class _StreamingSource(WorkloadSource):
-    """A workload source that judges responses of any batch in flight (the plain one keeps
-    only the last batch's lengths)."""
-
-    def __init__(self, workload: Workload, *, seed: int) -> None:
-        super().__init__(workload, seed=seed)
-        batch = workload.config.batch
-        self._per_step = batch.prompts_per_step * batch.samples_per_prompt
-        self._drawn: dict[int, tuple[Any, int]] = {}
-
-    def batch(self, step: int, policy_version: int) -> list:
-        out = super().batch(step, policy_version)
-        self._drawn[step] = (self._lengths, self._first)
-        for old in [s for s in self._drawn if s < step - 8]:
-            del self._drawn[old]  # long trained
-        return out
-
-    def judge(self, sample: Sample) -> Any:
-        self._lengths, self._first = self._drawn[sample.seq_id // self._per_step]
-        return super().judge(sample)
-
-
-# --- engines ------------------------------------------------------------------------------
-
-
-class _NoLogprobs:
-    """A simulated engine whose outputs are counts: token ids as ``Placeholders`` and no
-    log-probabilities. Nothing in a simulation reads them (the simulated trainer counts
-    tokens), and moving one id and one float per token per hop would dominate the wall time.
-
-    A migrated sequence's partial output joins its prompt inside the engine (the engine reads
-    only lengths; re-prefill costs prompt + partial output either way) and is put back in front
-    of what the engine returns."""
-
-    def __init__(self, engine: SimInferenceEngine) -> None:
-        self.engine = engine
-        self._handed: dict[int, int] = {}  # sequence -> output tokens it came with
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
-
-    def add(
-        self,
-        seq_id: int,
-        prompt_ids: Any,
-        generated_ids: Any = (),
-        sampling: Any = None,
-        generated_logprobs: Any = None,
-    ) -> None:
-        handed = len(generated_ids)
-        if handed:
-            sampling = msgspec.structs.replace(
-                sampling, max_new_tokens=sampling.max_new_tokens - handed
-            )
-        self.engine.add(seq_id, range(len(prompt_ids) + handed), (), sampling)
-        if handed:
-            self._handed[seq_id] = handed
-
-    def _output(self, seq_id: int, count: int) -> Placeholders:
-        return Placeholders(self._handed.pop(seq_id, 0) + count)
-
-    def step(self, max_tokens: int | None = 1, *, max_cost_s: float | None = None) -> StepOutput:
-        out = self.engine.step(max_tokens, max_cost_s=max_cost_s)
-        if not out.finished:
-            return out
-        finished = tuple(
-            FinishedSequence(
-                f.seq_id, self._output(f.seq_id, len(f.token_ids)), (), f.finish_reason
-            )
-            for f in out.finished
-        )
-        return msgspec.structs.replace(out, finished=finished)
-
-    def abort(self, seq_ids: Any = None) -> list[PartialOutput]:
-        return [
-            PartialOutput(p.seq_id, self._output(p.seq_id, len(p.token_ids)), ())
-            for p in self.engine.abort(seq_ids)
-        ]
 
 
 # --- assembling a deployment ----------------------------------------------------------------
@@ -648,14 +568,15 @@ class _Run:
         self.agents: dict[int, RoleAgent] = {}
         for d in range(split.gpus):
             role, replica, devices = layout.devices.get(d, (Role.FREE, "", ()))
+            # outputs as counts: nothing in a simulation reads token ids or log-probabilities
+            # (the simulated trainer counts tokens)
             engines = {
-                r: _NoLogprobs(
-                    workload.make_engine(
-                        r,
-                        seed=(settings.seed * 1_000_003 + d) * 2 + (r is Role.REWARD),
-                        itl_noise=settings.itl_noise,
-                        token_events=False,
-                    )
+                r: workload.make_engine(
+                    r,
+                    seed=(settings.seed * 1_000_003 + d) * 2 + (r is Role.REWARD),
+                    itl_noise=settings.itl_noise,
+                    token_events=False,
+                    placeholders=True,
                 )
                 for r in self._engine_roles(d)
             }
@@ -675,8 +596,12 @@ class _Run:
                 shift_seconds=shift_seconds,
             )
         self.staleness = 0 if split.kind is DeploymentKind.COLOCATED else settings.staleness
-        common = dict(
+        self.driver = Driver(
+            DRIVER,
+            self.bus,
+            source=WorkloadSource(workload, seed=settings.seed),
             steps=settings.steps,
+            staleness=self.staleness,
             rollout_scheduler=SCHEDULERS[Role.ROLLOUT],
             reward_scheduler=SCHEDULERS[Role.REWARD],
             trainer=TRAINER,
@@ -689,19 +614,6 @@ class _Run:
             train_timeout=1e9,
             request_timeout=60.0,
         )
-        self.driver: Driver | StreamingDriver
-        if self.staleness:
-            self.driver = StreamingDriver(
-                DRIVER,
-                self.bus,
-                source=_StreamingSource(workload, seed=settings.seed),
-                staleness=self.staleness,
-                **common,
-            )
-        else:
-            self.driver = Driver(
-                DRIVER, self.bus, source=WorkloadSource(workload, seed=settings.seed), **common
-            )
         fixed: dict[str, int] = {}
         if split.kind is DeploymentKind.RR_COLOCATED:
             fixed["training"] = split.training
@@ -765,9 +677,8 @@ class _Run:
         )
         inner: Any = controller.planner
         if self.layout.policy == "stages":
-            prefer = None
-            if isinstance(self.driver, StreamingDriver):
-                prefer = self.driver.oldest_open_stage
+            # batches overlap only with staleness: then serve the oldest one's stage first
+            prefer = self.driver.oldest_open_stage if self.staleness else None
             inner = StagePolicy(self.spec, prefer)
         controller.planner = _CheckedPolicy(  # type: ignore[assignment]
             inner,

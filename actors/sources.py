@@ -11,7 +11,6 @@ import msgspec
 
 from pivot.actors.messages import Completion, Placeholders, RLMessage, TokenIds, Work
 from pivot.engine import SamplingParams
-from pivot.grpo import RolloutSample
 from pivot.task import (
     JudgmentTally,
     Problem,
@@ -86,13 +85,12 @@ class TaskSource:
         self.judged = judged
         self.judgment_tokens = judgment_tokens
         self.tally = JudgmentTally()
+        # per sequence until it is scored (a Driver with staleness has several batches out)
         self._problems: dict[int, Problem] = {}
         self._texts: dict[int, str] = {}
 
     def batch(self, step: int, policy_version: int) -> list[tuple[Sample, Work]]:
         problems = make_problems(self.seed * 7919 + step, self.prompts_per_step)
-        self._problems.clear()
-        self._texts.clear()
         out = []
         for i, problem in enumerate(problems):
             prompt_ids = self.codec.encode(problem.prompt)
@@ -136,6 +134,8 @@ class TaskSource:
         )
 
     def score(self, sample: Sample) -> float:
+        self._problems.pop(sample.seq_id, None)  # the last call about this sequence
+        self._texts.pop(sample.seq_id, None)
         if not self.judged:
             return float(bool(sample.correct))
         assert sample.judgment is not None
@@ -144,7 +144,9 @@ class TaskSource:
         return judgment.score
 
     def train_request(self, step: int, samples: list[Sample]) -> RLMessage:
+        # here, not at the top: pivot.grpo imports torch, which a simulation does not need
         from pivot.actors.trainer_messages import TrainBatch
+        from pivot.grpo import RolloutSample
 
         return TrainBatch(
             step=step,
@@ -164,7 +166,8 @@ class TaskSource:
 
 class WorkloadSource:
     """A simulated model group: token ids are ``Placeholders``, only lengths are real. Responses
-    and judgments run exactly as long as the workload's seeded draw says."""
+    and judgments run exactly as long as the workload's seeded draw says. Responses of any
+    batch in flight can be judged (a Driver with staleness runs several)."""
 
     judged = True
 
@@ -174,32 +177,40 @@ class WorkloadSource:
         assert isinstance(workload, Workload)
         self.workload = workload
         self.sampler = workload.sampler(seed)
-        self._lengths = None
-        self._first = 0
+        # sequence -> (GenRM prompt tokens, judgment tokens), until it is judged
+        self._judgments: dict[int, tuple[int, int]] = {}
 
     def batch(self, step: int, policy_version: int) -> list[tuple[Sample, Work]]:
         from pivot.sim_engine import sim_sampling
 
         lengths = self.sampler.step(step)
-        self._lengths = lengths
         n = lengths.sequences
-        self._first = step * n
-        prompt_tokens = lengths.sequence_prompt_tokens
+        first = step * n
+        prompts = lengths.prompt_tokens.size
+        per_prompt = lengths.samples_per_prompt
         out = []
-        for i in range(n):
-            seq_id = self._first + i
-            prompt_ids = Placeholders(int(prompt_tokens[i]))
-            group = step * lengths.prompt_tokens.size + i // lengths.samples_per_prompt
-            sampling = sim_sampling(
-                int(lengths.response_tokens[i]), truncated=bool(lengths.response_truncated[i])
+        for i, (prompt, response, truncated, genrm_tokens, judgment_tokens) in enumerate(
+            zip(
+                lengths.sequence_prompt_tokens.tolist(),
+                lengths.response_tokens.tolist(),
+                lengths.response_truncated.tolist(),
+                lengths.genrm_prompt_tokens.tolist(),
+                lengths.judgment_tokens.tolist(),
+                strict=True,
             )
+        ):
+            seq_id = first + i
+            prompt_ids = Placeholders(prompt)
+            self._judgments[seq_id] = (genrm_tokens, judgment_tokens)
             out.append(
                 (
-                    Sample(seq_id=seq_id, group=group, prompt_ids=prompt_ids),
+                    Sample(
+                        seq_id=seq_id, group=step * prompts + i // per_prompt, prompt_ids=prompt_ids
+                    ),
                     Work(
                         seq_id=seq_id,
                         prompt_ids=prompt_ids,
-                        sampling=sampling,
+                        sampling=sim_sampling(response, truncated=truncated),
                         policy_version=policy_version,
                     ),
                 )
@@ -212,11 +223,11 @@ class WorkloadSource:
     def judge(self, sample: Sample) -> Work:
         from pivot.sim_engine import sim_sampling
 
-        i = sample.seq_id - self._first
+        genrm_tokens, judgment_tokens = self._judgments.pop(sample.seq_id)
         return Work(
             seq_id=sample.seq_id,
-            prompt_ids=Placeholders(int(self._lengths.genrm_prompt_tokens[i])),
-            sampling=sim_sampling(int(self._lengths.judgment_tokens[i])),
+            prompt_ids=Placeholders(genrm_tokens),
+            sampling=sim_sampling(judgment_tokens),
         )
 
     def score(self, sample: Sample) -> float:

@@ -6,7 +6,10 @@ counts: every running sequence gains one (dummy) token per step, and a step repo
 would cost on the replica in ``StepOutput.cost_s``: the decode inter-token latency from the cost
 model, ``ITL(running, tokens)``, plus the prefill of the sequences admitted in that step at a
 stated prefill rate. A migrated sequence (``add`` with ``generated_ids``) re-prefills prompt +
-partial output. Whoever drives the engine sleeps ``cost_s`` on its clock.
+partial output. Whoever drives the engine sleeps ``cost_s`` on its clock. With
+``placeholders=True`` its outputs are counts: token ids as ``Placeholders`` and no
+log-probabilities, for callers that only count tokens (a simulated cluster, where moving one id
+and one float per token per hop would dominate the wall time).
 
 How long a sequence runs is the workload's decision, passed in through the protocol: a
 sequence produces exactly ``SamplingParams.max_new_tokens`` output tokens (see
@@ -34,10 +37,11 @@ under ``configs/sim/`` state the values each model group uses.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import random
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -80,6 +84,20 @@ def sim_sampling(
     ``LENGTH`` (``ignore_eos``), as a real engine would; otherwise ``STOP``.
     """
     return SamplingParams(max_new_tokens=target_tokens, ignore_eos=truncated, seed=seed)
+
+
+class Placeholders(msgspec.Struct, frozen=True):
+    """``count`` token ids that no one reads (every one is ``DUMMY_TOKEN``): only the count is
+    kept, and only the count travels in a message. Everything that counts tokens (``len``)
+    reads these as it reads a list."""
+
+    count: int
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.repeat(DUMMY_TOKEN, self.count)
 
 
 # --- the inference replica -------------------------------------------------------------------
@@ -128,7 +146,9 @@ class SimInferenceEngine:
     ``itl_noise``: sigma of a mean-one lognormal factor on each call's cost (0: exact), drawn
     from ``seed``; a multi-iteration call draws one factor with sigma / sqrt(iterations).
     ``token_events``: whether a one-iteration step lists a TokenEvent per sequence (the
-    protocol's streaming); turn off when nobody reads them.
+    protocol's streaming); turn off when nobody reads them. ``placeholders``: outputs carry
+    ``Placeholders`` for token ids and no log-probabilities, and ``add`` reads only the length
+    of ``generated_ids`` (no ``generated_logprobs`` needed).
     """
 
     def __init__(
@@ -143,6 +163,7 @@ class SimInferenceEngine:
         kv_watermark: float = 0.01,
         token_events: bool = True,
         weights_version: int = 0,
+        placeholders: bool = False,
     ) -> None:
         if max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {max_running}")
@@ -167,6 +188,7 @@ class SimInferenceEngine:
         self.prefill_tokens_per_s = float(prefill_tokens_per_s)
         self.itl_noise = itl_noise
         self.token_events = token_events
+        self.placeholders = placeholders
         self._admit_limit = kv_capacity_tokens * (1.0 - kv_watermark)
         self._rng = random.Random(seed)
         self._held: dict[SeqId, _SimSequence] = {}
@@ -260,20 +282,24 @@ class SimInferenceEngine:
         prompt_len = len(prompt_ids)
         if prompt_len == 0:
             raise ValueError(f"sequence {seq_id!r}: empty prompt")
-        handed = tuple(generated_ids)
-        if generated_logprobs is None:
-            logprobs: tuple[float, ...] = ()
+        handed: tuple[int, ...] = ()
+        logprobs: tuple[float, ...] = ()
+        if self.placeholders:
+            handed_count = len(generated_ids)
         else:
-            logprobs = tuple(float(x) for x in generated_logprobs)
-        if len(logprobs) != len(handed):
-            raise ValueError(
-                f"sequence {seq_id!r}: {len(handed)} generated_ids need as many "
-                f"generated_logprobs, got {len(logprobs)}"
-            )
+            handed = tuple(generated_ids)
+            handed_count = len(handed)
+            if generated_logprobs is not None:
+                logprobs = tuple(float(x) for x in generated_logprobs)
+            if len(logprobs) != handed_count:
+                raise ValueError(
+                    f"sequence {seq_id!r}: {handed_count} generated_ids need as many "
+                    f"generated_logprobs, got {len(logprobs)}"
+                )
         target = sampling.max_new_tokens
-        if len(handed) >= target:
+        if handed_count >= target:
             raise ValueError(
-                f"sequence {seq_id!r}: already has {len(handed)} generated tokens, "
+                f"sequence {seq_id!r}: already has {handed_count} generated tokens, "
                 f"max_new_tokens is {target}"
             )
         if prompt_len + target > self.kv_capacity_tokens:
@@ -282,7 +308,7 @@ class SimInferenceEngine:
                 f"this engine's KV capacity of {self.kv_capacity_tokens} tokens"
             )
         reason = FinishReason.LENGTH if sampling.ignore_eos else FinishReason.STOP
-        s = _SimSequence(seq_id, prompt_len, target, handed, logprobs, reason, len(handed))
+        s = _SimSequence(seq_id, prompt_len, target, handed, logprobs, reason, handed_count)
         self._held[seq_id] = s
         self._waiting.append(s)
 
@@ -314,9 +340,14 @@ class SimInferenceEngine:
             del self._held[s.seq_id]
         return out
 
-    @staticmethod
-    def _partial(s: _SimSequence, count: int) -> PartialOutput:
-        return PartialOutput(s.seq_id, s.output_ids(count), s.output_logprobs(count))
+    def _output(self, s: _SimSequence, count: int) -> tuple[Sequence[int], tuple[float, ...]]:
+        """The first ``count`` output tokens of ``s`` and their log-probabilities."""
+        if self.placeholders:
+            return Placeholders(count), ()
+        return s.output_ids(count), s.output_logprobs(count)
+
+    def _partial(self, s: _SimSequence, count: int) -> PartialOutput:
+        return PartialOutput(s.seq_id, *self._output(s, count))
 
     def _stop_running(self, s: _SimSequence) -> int:
         """Take a running sequence out of the batch; return its output count (now recorded)."""
@@ -510,9 +541,7 @@ class SimInferenceEngine:
         for s in done:
             count = self._stop_running(s)
             del self._held[s.seq_id]
-            out.append(
-                FinishedSequence(s.seq_id, s.output_ids(count), s.output_logprobs(count), s.reason)
-            )
+            out.append(FinishedSequence(s.seq_id, *self._output(s, count), s.reason))
         return tuple(out)
 
     # ---- stats --------------------------------------------------------------------------------

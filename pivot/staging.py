@@ -20,7 +20,7 @@ class StagePolicy:
     ready trainer takes its pool (all devices when colocated) back whole, and lends it again
     once it has trained. A stage's devices move only once it has no sequence left running.
 
-    With ``prefer`` (the streaming driver's ``oldest_open_stage``: batches overlap), the pool
+    With ``prefer`` (the Driver's ``oldest_open_stage`` with staleness > 0: batches overlap), the pool
     serves the stage of the oldest batch not yet scored, time-multiplexed per batch: the other
     stage's replicas are evicted even if they run sequences of a later batch (those go back to
     the queue with their partial output)."""

@@ -10,7 +10,7 @@ import pytest
 
 from pivot.actors.agent import RoleAgent
 from pivot.actors.driver import Driver
-from pivot.actors.messages import Abort, Aborted, Assign, Work, rl_messages
+from pivot.actors.messages import Abort, Aborted, Assign, Placeholders, Work, rl_messages
 from pivot.actors.scheduler import Scheduler
 from pivot.actors.sources import TaskSource
 from pivot.actors.trainer_messages import TrainBatch, Trained
@@ -118,7 +118,14 @@ def _router():
     )
 
 
-def _cluster(bus: Bus, job: JobConfig, replicas: int, judges: int = 0, trainer: bool = False):
+def _cluster(
+    bus: Bus,
+    job: JobConfig,
+    replicas: int,
+    judges: int = 0,
+    trainer: bool = False,
+    staleness: int = 0,
+):
     scheduler = Scheduler("sched", bus, role=Role.ROLLOUT, router=_router(), downstream="driver")
     actors, engines = [scheduler], []
     if judges:
@@ -158,6 +165,7 @@ def _cluster(bus: Bus, job: JobConfig, replicas: int, judges: int = 0, trainer: 
         rollout_scheduler="sched",
         reward_scheduler="judge" if judges else None,
         trainer="trainer" if trainer else None,
+        staleness=staleness,
         replicas=expected,
     )
     return actors, engines, driver
@@ -188,10 +196,17 @@ class FakeTrainer(Actor):
         return Trained(step=msg.step, stats=stats)
 
 
-def _run_job(job: JobConfig, replicas: int, seed: int = 0, judges: int = 0, trainer: bool = False):
+def _run_job(
+    job: JobConfig,
+    replicas: int,
+    seed: int = 0,
+    judges: int = 0,
+    trainer: bool = False,
+    staleness: int = 0,
+):
     async def main(clock):
         bus = Bus.local(rl_messages(), transport=LocalTransport(), clock=clock)
-        actors, engines, driver = _cluster(bus, job, replicas, judges, trainer)
+        actors, engines, driver = _cluster(bus, job, replicas, judges, trainer, staleness)
         for actor in (*actors, driver):
             await actor.start()
         await driver.finished.wait()
@@ -314,6 +329,14 @@ def test_rl_messages_round_trip_through_the_codec():
     msg = Assign(sequences=[Work(seq_id=1, prompt_ids=[1, 2], sampling=SamplingParams(seed=3))])
     decoded = codec.decode_request(codec.encode_request("me", 9, msg))
     assert decoded.body == msg and decoded.cid == 9 and decoded.sender == "me"
+    # a simulated engine's ids travel as their count, and count as many tokens
+    counted = Assign(
+        sequences=[Work(seq_id=2, prompt_ids=Placeholders(5000), sampling=SamplingParams())]
+    )
+    frame = codec.encode_request("me", 10, counted)
+    assert len(frame) < 1000  # 5000 ids would take 5000 bytes or more
+    (work,) = codec.decode_request(frame).body.sequences
+    assert work.prompt_ids == Placeholders(5000) and len(work.prompt_ids) == 5000
 
 
 def test_trainer_stage_gets_every_scored_sample_and_bumps_the_policy_version():
@@ -330,3 +353,23 @@ def test_trainer_stage_gets_every_scored_sample_and_bumps_the_policy_version():
         assert all(len(s.logprobs) == len(s.response_ids) > 0 for s in batch.samples)
         assert report.train["version"] == report.policy_version + 1
         assert report.train_s == pytest.approx(2.0)
+
+
+def test_staleness_submits_each_batch_once_training_is_within_its_bound():
+    job = JobConfig(steps=4, rollout=RolloutSection(prompts_per_step=3, samples_per_prompt=4))
+    reports, counts, batches = _run_job(job, replicas=2, judges=1, trainer=True, staleness=1)
+    # batch k goes out once step k - 2 trained: its policy is at most one version behind
+    assert [r.policy_version for r in reports] == [0, 0, 1, 2]
+    assert [b.step for b in batches] == [0, 1, 2, 3]
+    ends = [r.started_s + r.seconds for r in reports]
+    assert reports[1].started_s == reports[0].started_s < ends[0]  # rolls out while 0 trains
+    assert reports[2].started_s == pytest.approx(ends[0])
+    assert reports[3].started_s == pytest.approx(ends[1])
+    assert all(len(b.samples) == 12 for b in batches)
+    assert [c["done"] for c in counts] == [48, 48]  # every response and every judgment, once
+
+
+def test_staleness_must_not_be_negative():
+    job = JobConfig(steps=1, rollout=RolloutSection(prompts_per_step=1, samples_per_prompt=1))
+    with pytest.raises(ValueError, match="staleness"):
+        _run_job(job, replicas=1, staleness=-1)

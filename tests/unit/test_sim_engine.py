@@ -18,6 +18,7 @@ from pivot.engine import (
 from pivot.sim_engine import (
     DUMMY_TOKEN,
     Hardware,
+    Placeholders,
     ShiftCostModel,
     ShiftCosts,
     SimInferenceEngine,
@@ -190,6 +191,27 @@ def test_abort_returns_partial_output_and_dispatch_charges_the_re_prefill():
     assert len(done.token_ids) == 10 and done.token_ids[:4] == handed
     assert done.token_ids[4:] == (DUMMY_TOKEN,) * 6
     assert receiver.stats().generated_tokens == 6  # only what it generated itself
+
+
+def test_placeholder_outputs_count_what_ids_would_and_cost_the_same():
+    ids, counts = engine(), engine(placeholders=True)
+    for e in (ids, counts):
+        e.add(7, [1] * 50, sampling=sim_sampling(10))
+        for _ in range(4):
+            e.step()
+    (partial,) = counts.abort([7])
+    assert partial.token_ids == Placeholders(4) and len(partial.token_ids) == 4
+    assert list(partial.token_ids) == [DUMMY_TOKEN] * 4 and partial.logprobs == ()
+    # the receiver takes the partial output as a count: no log-probabilities needed
+    plain = engine()
+    plain.add(7, [1] * 50, ids.abort([7])[0].token_ids, sim_sampling(10), (0.0,) * 4)
+    counted = engine(placeholders=True)
+    counted.add(7, Placeholders(50), partial.token_ids, sim_sampling(10))
+    plain_out, counted_out = plain.step(max_tokens=None), counted.step(max_tokens=None)
+    assert counted_out.cost_s == plain_out.cost_s and counted_out.step == plain_out.step
+    (done,) = counted_out.finished
+    assert done.token_ids == Placeholders(10) and done.logprobs == ()
+    assert counted.stats() == plain.stats()
 
 
 def test_abort_of_waiting_and_unknown_sequences():
