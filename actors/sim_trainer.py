@@ -33,9 +33,9 @@ from pivot.actors.trainer_messages import (
     TrainerStatus,
 )
 from pivot.bus import Actor, Bus, BusError, handles
-from pivot.grpo import TrainStats
 from pivot.sim_engine import SimTrainer
 from pivot.timeline import TrainSpan
+from pivot.training import TrainStats
 
 
 class TrainerBusy(RuntimeError):

@@ -144,9 +144,8 @@ class TaskSource:
         return judgment.score
 
     def train_request(self, step: int, samples: list[Sample]) -> RLMessage:
-        # here, not at the top: pivot.grpo imports torch, which a simulation does not need
         from pivot.actors.trainer_messages import TrainBatch
-        from pivot.grpo import RolloutSample
+        from pivot.training import RolloutSample
 
         return TrainBatch(
             step=step,

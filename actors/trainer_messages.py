@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Literal
 
 from pivot.actors.messages import RLMessage
-from pivot.grpo import RolloutSample, TrainStats
+from pivot.training import RolloutSample, TrainStats
 
 TrainerStateName = Literal["idle", "training", "offloaded"]
 

@@ -14,8 +14,8 @@ import msgspec
 
 from pivot.cluster import Role
 from pivot.config import ConfigError, ConfigStruct
-from pivot.grpo import TrainingSettings
 from pivot.planner import PlannerSettings
+from pivot.training import TrainingSettings
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
