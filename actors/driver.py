@@ -62,6 +62,9 @@ class StepReport(msgspec.Struct, frozen=True, kw_only=True):
     rollout_by_replica: dict[str, int]
     reward_by_replica: dict[str, int]
     train: dict | None = None  # the trainer's statistics of this step
+    # deliveries of this step's responses or judgments after the first (ignored; a healthy
+    # run has none: each sequence is owned by one replica at a time)
+    duplicates: int = 0
 
 
 class _Batch:
@@ -73,6 +76,7 @@ class _Batch:
         self.samples: dict[int, Sample] = {}
         self.responses = 0
         self.scored = 0
+        self.duplicates = 0
         self.started = 0.0
         self.last_response_at = 0.0
         self.done = asyncio.Event()  # every sample scored
@@ -126,6 +130,8 @@ class Driver(Actor):
         self._submitted = 0
         self._trained = 0  # steps done (trained, with a trainer)
         self._progress = asyncio.Event()  # a step was done
+        # completions of no batch in flight (a late delivery after its batch trained)
+        self.unknown_completions = 0
 
     # -- completions from both stages
 
@@ -142,6 +148,7 @@ class Driver(Actor):
     def _find(self, completion: Completion) -> tuple[_Batch, Sample] | None:
         batch = self._owner.get(completion.seq_id)
         if batch is None:
+            self.unknown_completions += 1
             self.log.warning("completion of an unknown sequence", seq_id=completion.seq_id)
             return None
         return batch, batch.samples[completion.seq_id]
@@ -151,9 +158,12 @@ class Driver(Actor):
         now = self.clock.now()
         for c in completions:
             found = self._find(c)
-            if found is None or found[1].response is not None:
-                continue  # a duplicate delivery: the first one counts
+            if found is None:
+                continue
             batch, sample = found
+            if sample.response is not None:
+                batch.duplicates += 1  # the first delivery counts
+                continue
             sample.response = c
             batch.responses += 1
             batch.last_response_at = now
@@ -172,9 +182,12 @@ class Driver(Actor):
     def _on_judgments(self, completions: list[Completion]) -> None:
         for c in completions:
             found = self._find(c)
-            if found is None or found[1].judgment is not None:
+            if found is None:
                 continue
             batch, sample = found
+            if sample.judgment is not None:
+                batch.duplicates += 1
+                continue
             sample.judgment = c
             self._score(batch, sample)
 
@@ -306,4 +319,5 @@ class Driver(Actor):
             rollout_by_replica=dict(sorted(rollout_by.items())),
             reward_by_replica=dict(sorted(reward_by.items())),
             train=train,
+            duplicates=batch.duplicates,
         )

@@ -439,6 +439,9 @@ def main(args: argparse.Namespace) -> int:
     def mean(rs: list[StepReport]) -> float:
         return sum(r.reward_mean for r in rs) / max(len(rs), 1)
 
+    repeats = sum(r.duplicates for r in reports) + runner._driver.unknown_completions
+    if repeats:
+        console.print(f"{repeats} completions arrived more than once (ignored)", style="yellow")
     console.print(
         f"done: {len(reports)} steps in {wall:.1f} s; reward {mean(first):.3f} (first 5 steps) "
         f"-> {mean(last):.3f} (last 5); shifts {sum(kinds.values())} {kinds}\n"

@@ -10,7 +10,20 @@ import pytest
 
 from pivot.actors.agent import RoleAgent
 from pivot.actors.driver import Driver
-from pivot.actors.messages import Abort, Aborted, Assign, Placeholders, Work, rl_messages
+from pivot.actors.messages import (
+    Abort,
+    Aborted,
+    Accepted,
+    Assign,
+    Completed,
+    Completion,
+    Placeholders,
+    QueryStatus,
+    SchedulerStatus,
+    SubmitSequences,
+    Work,
+    rl_messages,
+)
 from pivot.actors.scheduler import Scheduler
 from pivot.actors.sources import TaskSource
 from pivot.actors.trainer_messages import TrainBatch, Trained
@@ -236,6 +249,7 @@ def test_every_sequence_completes_once_and_rewards_match_the_oracle():
         assert r.genrm_agreement is None and r.reward_by_replica == {}
         assert sum(r.rollout_by_replica.values()) == 20
         assert set(r.rollout_by_replica) == {"agent-0", "agent-1"}
+        assert r.duplicates == 0
     assert counts == [{"submitted": 60, "done": 60, "queued": 0, "running": 0}]
     assert all(s > 0 for s in steps)
 
@@ -373,3 +387,63 @@ def test_staleness_must_not_be_negative():
     job = JobConfig(steps=1, rollout=RolloutSection(prompts_per_step=1, samples_per_prompt=1))
     with pytest.raises(ValueError, match="staleness"):
         _run_job(job, replicas=1, staleness=-1)
+
+
+class TwiceDelivering(Actor):
+    """A rollout scheduler stand-in that answers every sequence with its worked response,
+    repeats two of them in the same delivery, and delivers them all again afterwards."""
+
+    @handles
+    async def submit(self, msg: SubmitSequences) -> Accepted:
+        completions = [
+            Completion(
+                seq_id=w.seq_id,
+                token_ids=CODEC.encode(worked_response(CODEC.decode(w.prompt_ids)), bos=False),
+                logprobs=[],
+                finish_reason=FinishReason.STOP,
+                replica="echo",
+            )
+            for w in msg.sequences
+        ]
+
+        async def deliver() -> None:
+            twice = completions + completions[:2]
+            await self.request("driver", Completed(role="rollout", completions=twice))
+            await self.request("driver", Completed(role="rollout", completions=completions))
+
+        self.spawn(deliver())
+        return Accepted(count=len(msg.sequences))
+
+    @handles
+    def status(self, msg: QueryStatus) -> SchedulerStatus:
+        return SchedulerStatus(role="rollout", replicas=["echo"], queued=0, running=0, completed=0)
+
+
+def test_a_repeated_delivery_counts_once_and_is_reported():
+    async def main(clock):
+        bus = Bus.local(rl_messages(), transport=LocalTransport(), clock=clock)
+        source = TaskSource(
+            CODEC,
+            seed=0,
+            prompts_per_step=3,
+            samples_per_prompt=2,
+            sampling=SamplingParams(max_new_tokens=32),
+            judged=False,
+        )
+        scheduler = TwiceDelivering("echo", bus)
+        driver = Driver("driver", bus, source=source, steps=2, rollout_scheduler="echo")
+        for actor in (scheduler, driver):
+            await actor.start()
+        await driver.finished.wait()
+        await clock.sleep(1.0)  # the last step's late repeats arrive
+        for actor in (driver, scheduler):
+            await actor.stop()
+        return driver.reports, driver.unknown_completions
+
+    reports, unknown = run_virtual(main)
+    assert [r.samples for r in reports] == [6, 6]
+    # repeats within the step are counted in its report; those after it ended are unknown
+    assert [r.duplicates for r in reports] == [2, 2]
+    assert unknown == 12
+    assert [r.rollout_by_replica for r in reports] == [{"echo": 6}, {"echo": 6}]
+    assert all(r.accuracy == 1.0 for r in reports)  # the first delivery was scored

@@ -201,6 +201,7 @@ def test_job_learns_and_scores_every_sequence_once(shifting_run):
         assert sum(r["rollout_by_replica"].values()) == BATCH
         assert sum(r["reward_by_replica"].values()) == BATCH
         assert r["train"]["sequences"] == BATCH
+        assert r["duplicates"] == 0  # no response or judgment delivered twice
     # a completion for a sequence not in the step (a late duplicate of an earlier step's) or a
     # partial output of a sequence a replica did not hold would be logged
     suspicious = {
