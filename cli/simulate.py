@@ -166,7 +166,13 @@ def _comparison_report(comparison: Any, args: argparse.Namespace) -> dict[str, A
     splits: dict[str, dict[str, Any]] = {}
     if comparison.pivot is not None:
         throughput["pivot"] = _rate(comparison.pivot)
-        splits["pivot"] = {"table4": comparison.pivot.split.label()}
+        runs = comparison.pivot_runs
+        splits["pivot"] = {
+            "table4": runs.table4.split.label(),
+            "table4_samples_per_s": round(runs.table4.samples_per_s, 6),
+            "best": runs.best.split.label(),
+            "tried": runs.tried,
+        }
     for kind, runs in comparison.baselines.items():
         throughput[kind] = _rate(runs.best)
         splits[kind] = {
@@ -176,6 +182,7 @@ def _comparison_report(comparison: Any, args: argparse.Namespace) -> dict[str, A
             "tried": runs.tried,
         }
     speedup = {k: round(v, 4) for k, v in comparison.speedups().items()}
+    at_table4 = {k: round(v, 4) for k, v in comparison.speedups_at_table4().items()}
     pivot = comparison.pivot
     return {
         "workload": comparison.workload,
@@ -184,6 +191,7 @@ def _comparison_report(comparison: Any, args: argparse.Namespace) -> dict[str, A
         "seed": comparison.seed,
         "throughput": throughput,
         "speedup": speedup,
+        "speedup_pivot_at_table4": at_table4,
         "shifts_per_step": round(pivot.shifts_per_step, 3) if pivot is not None else None,
         "splits": splits,
         "runs": [r.summary() for r in comparison.runs()],
@@ -241,6 +249,10 @@ def _format(report: dict[str, Any], plots: list[Path]) -> str:
         if report["speedup"]:
             parts = ", ".join(f"{k} {v:.2f}x" for k, v in sorted(report["speedup"].items()))
             lines.append(f"PivotRL speedup over the better split of each baseline: {parts}")
+            at_table4 = report.get("speedup_pivot_at_table4") or {}
+            if at_table4:
+                parts = ", ".join(f"{k} {v:.2f}x" for k, v in sorted(at_table4.items()))
+                lines.append(f"  (PivotRL at Table 4's trainer pool, not swept: {parts})")
     lines.append(f"run directory: {report['run_dir']}")
     for plot in plots:
         lines.append(f"  plot: {plot}")

@@ -51,6 +51,13 @@ def test_json_comparison_is_the_same_bytes_for_the_same_seed(tmp_path, capsys):
         pivot / report["throughput"]["disaggregated"]["samples_per_s"], rel=1e-3
     )
     assert len(best["tried"]) == 21 and report["wall_s"] is None
+    # pivot: the better of Table 4's trainer pool and the swept one, both reported
+    mine = report["splits"]["pivot"]
+    assert len(mine["tried"]) >= 1 and pivot >= mine["table4_samples_per_s"]
+    for kind, at_table4 in report["speedup_pivot_at_table4"].items():
+        assert at_table4 == pytest.approx(
+            mine["table4_samples_per_s"] / report["throughput"][kind]["samples_per_s"], rel=1e-3
+        )
     kinds = {json.loads(line)["record"] for line in metrics.splitlines()}
     assert kinds == {"run", "step", "sample", "shift", "train"}
 

@@ -262,6 +262,10 @@ def test_sweeps_cover_whole_replicas_and_every_device():
         assert s.rollout + s.reward + s.training == 32 and s.reward % 4 == 0
     assert table4_split("disaggregated", 32, workload) in splits
     assert [s.training for s in sweep_splits("rr-colocated", 32, workload)] == list(range(4, 29, 4))
+    # PivotRL's one static choice is the trainer pool it lends
+    pools = sweep_splits("pivot", 32, workload)
+    assert [(s.shared, s.training) for s in pools] == [(32 - t, t) for t in range(4, 29, 4)]
+    assert table4_split("pivot", 32, workload) in pools
 
 
 def _spec(devices: int) -> ClusterSpec:
