@@ -365,11 +365,12 @@ def _holders(
     within its role; ``donor_rows``: which snapshot replicas belong to the donor role.
     """
     holder = np.full(spec.size, BLOCKED, dtype=np.int64)
-    free = owner < 0
-    if not lendable:
-        free &= ~spec.is_trainer_pool
-    holder[free] = FREE
-    devices = np.flatnonzero(owner >= 0)
+    # the trainer pool takes new replicas only while it may be lent: not while the trainer
+    # needs it back (a batch is ready), nor with lending switched off, even where inference
+    # already holds some of its devices
+    usable = np.ones(spec.size, dtype=bool) if lendable else ~spec.is_trainer_pool
+    holder[(owner < 0) & usable] = FREE
+    devices = np.flatnonzero((owner >= 0) & usable)
     devices = devices[donor_rows[owner[devices]]]
     idx = local[owner[devices]]
     ok = evictable[idx]

@@ -109,6 +109,25 @@ def test_trainer_pool_is_used_only_while_lent():
     assert all(set(m.devices).isdisjoint(SPEC.trainer_pool) for m in kept.plan.wakes)
 
 
+@pytest.mark.parametrize("trainer", [TrainerPhase.WAITING, TrainerPhase.READY])
+def test_inference_already_on_the_pool_is_not_shifted_there_unless_lending(trainer):
+    """The pool serves rollout (lent earlier); reward has the backlog. Rollout on the pool
+    may become reward only while the pool may be lent: not with lending off, nor once the
+    trainer is ready for it (found by the property test, from a random cluster)."""
+    reps = [replica("rm0", Role.REWARD, range(0, 4), running=100, tokens=6000)]
+    reps += [replica(f"ro{d}", Role.ROLLOUT, (d,)) for d in (*range(4, 12), *SPEC.trainer_pool)]
+    snap = snapshot(*reps, reward_queue=(800, 800 * 5000), trainer=trainer)
+    for settings in ({"lend_trainer_pool": False}, {}):
+        d = decide(snap, **settings)
+        if trainer is TrainerPhase.READY:
+            assert d.plan is not None and d.plan.kind == "reclaim_trainer"
+            continue
+        assert d.plan is not None and d.plan.receiver is Role.REWARD
+        on_pool = [m for m in d.plan.wakes if set(m.devices) & set(SPEC.trainer_pool)]
+        if settings:  # lending off
+            assert on_pool == []
+
+
 def test_cooldown_blocks_a_second_move_until_it_expires():
     planner = Planner(SPEC, MODELS)
     first = planner.decide(reward_backlog(now=100.0))
