@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
 
 import msgspec
 import numpy as np
@@ -64,7 +63,7 @@ from pivot.actors.shift_messages import (
 from pivot.bus import Actor, Bus, BusError, handles
 from pivot.cluster import Role
 from pivot.queue import Owner, Sequence, SequenceLedger
-from pivot.routing import Dispatch, RoleScheduler, Router
+from pivot.routing import RoleScheduler, Router
 
 
 class _CutRouter:
@@ -111,63 +110,6 @@ class MigrationTiming(msgspec.Struct, frozen=True, kw_only=True):
     reprefill_s: float
 
 
-class _TrackedCore(RoleScheduler):
-    """The role's core, noting the replicas whose running sequences changed: ``QueryLoad``
-    rebuilds only their rows (the Controller asks every tick; most replicas did not change)."""
-
-    def __init__(self, role: Role, router: Router, ledger: SequenceLedger) -> None:
-        super().__init__(role, router, ledger)
-        self.changed: set[str] = set()
-
-    def add_replica(self, replica_id: str) -> None:
-        super().add_replica(replica_id)
-        self.changed.add(replica_id)
-
-    def remove_replica(
-        self, replica_id: str, generated: Mapping[int, int] | None = None
-    ) -> list[Sequence]:
-        self.changed.add(replica_id)
-        return super().remove_replica(replica_id, generated)
-
-    def dispatch(self, limit: int | None = None) -> list[Dispatch]:
-        sent = super().dispatch(limit)
-        self.changed.update(d.replica_id for d in sent)
-        return sent
-
-    def dispatch_to(self, seq_id: int, replica_id: str) -> Dispatch:
-        self.changed.add(replica_id)
-        return super().dispatch_to(seq_id, replica_id)
-
-    def abort(
-        self,
-        replica_id: str,
-        seq_ids: Iterable[int] | None = None,
-        generated: Mapping[int, int] | None = None,
-    ) -> list[Sequence]:
-        self.changed.add(replica_id)
-        return super().abort(replica_id, seq_ids, generated)
-
-    def progress(self, replica_id: str, seq_id: int, generated_tokens: int) -> None:
-        self.changed.add(replica_id)
-        super().progress(replica_id, seq_id, generated_tokens)
-
-    def complete(
-        self, replica_id: str, seq_id: int, generated_tokens: int | None = None
-    ) -> Sequence:
-        self.changed.add(replica_id)
-        return super().complete(replica_id, seq_id, generated_tokens)
-
-    def hand_over(
-        self,
-        replica_id: str,
-        seq_id: int,
-        to: RoleScheduler,
-        as_seq: Sequence | None = None,
-    ) -> Sequence:
-        self.changed.add(replica_id)
-        return super().hand_over(replica_id, seq_id, to, as_seq)
-
-
 class Scheduler(Actor):
     """The shared queue of ``role``; finished sequences go to ``downstream``."""
 
@@ -187,7 +129,7 @@ class Scheduler(Actor):
         self.downstream = downstream
         self.request_timeout = request_timeout
         self._router = _CutRouter(router)
-        self.core = _TrackedCore(role, self._router, ledger or SequenceLedger())
+        self.core = RoleScheduler(role, self._router, ledger or SequenceLedger())
         self._rows: dict[str, ReplicaRunning] = {}  # QueryLoad's row per replica, as last built
         self._work: dict[int, Work] = {}
         self._agents: dict[str, str] = {}  # replica -> agent actor

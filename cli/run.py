@@ -100,16 +100,12 @@ class Job:
         self.run_dir = run_dir
         self.console = console
         self.view = view
-        self.kind = job.deployment.kind
         self.layout = layout = job.layout()
-        self.trainer_pool = layout.trainer_pool
         self.agents = {d: f"agent-{d}" for d in layout.inference_devices}
-        self.trainers = trainer_names("trainer", len(self.trainer_pool))
+        self.trainers = trainer_names("trainer", len(layout.trainer_pool))
         self.schedulers = {Role.ROLLOUT: "rollout-scheduler"}
         if genrm is not None:
             self.schedulers[Role.REWARD] = "reward-scheduler"
-        self.managed = layout.managed
-        self.lends_trainer = layout.lends_trainer
         names = ["driver", "monitor", "controller", *self.schedulers.values()]
         # ipc paths must stay under ~100 bytes, so sockets live in a short temporary folder
         self.sockets = Path(tempfile.mkdtemp(prefix="pivot-"))
@@ -160,20 +156,20 @@ class Job:
             "trainer",
             directory=self.directory,
             checkpoint=self.policy,
-            world_size=len(self.trainer_pool),
+            world_size=len(self.layout.trainer_pool),
             run_dir=self.sockets,
             store_name=self.store,
             settings=self.job.training,
             threads=self.job.cluster.threads_per_device,
             # a batch that finds the pool lent asks the Controller to reclaim it
-            controller="controller" if self.lends_trainer else None,
+            controller="controller" if self.layout.lends_trainer else None,
         )
 
     def controller(self) -> Controller:
         managed = sorted(self.agents)
         spec = ClusterSpec(
             [
-                Device(d, 0, Pool.TRAINER if d in self.trainer_pool else Pool.SHARED)
+                Device(d, 0, Pool.TRAINER if d in self.layout.trainer_pool else Pool.SHARED)
                 for d in managed
             ],
             {
@@ -190,14 +186,14 @@ class Job:
             schedulers=self.schedulers,
             journal=open_journal(self.run_dir / "shift.journal"),
             cost_models={Role.ROLLOUT: TINY_CPU_COST, Role.REWARD: TINY_CPU_COST},
-            trainer="trainer" if self.lends_trainer else None,
+            trainer="trainer" if self.layout.lends_trainer else None,
             settings=ControllerSettings(
                 interval_s=control.interval_s,
                 command_timeout_s=control.command_timeout_s,
                 planner=control.planner,
             ),
             timer=time.perf_counter,
-            policy=None if self.kind == "pivot" else StagePolicy(spec),
+            policy=None if self.job.deployment.kind == "pivot" else StagePolicy(spec),
         )
 
     async def run(self) -> tuple[list[StepReport], Monitor]:
@@ -265,8 +261,8 @@ class Job:
             trainer="trainer",
             on_step=on_step,
             replicas=expected,
-            on_batch_ready=self._batch_ready if self.lends_trainer else None,
-            before_first_step=self._controller_ready if self.managed else None,
+            on_batch_ready=self._batch_ready if self.layout.lends_trainer else None,
+            before_first_step=self._controller_ready if self.layout.managed else None,
         )
         monitor = Monitor(
             "monitor",
@@ -275,7 +271,7 @@ class Job:
             schedulers={role.value: name for role, name in self.schedulers.items()},
             on_sample=on_sample,
             on_shift=on_shift,
-            controller="controller" if self.managed else None,
+            controller="controller" if self.layout.managed else None,
             interval=0.1,
         )
         self._driver = driver
@@ -289,7 +285,7 @@ class Job:
             sup.add_actor(name, lambda role=role: self.scheduler_actors[role], policy=once)
         self.add_trainer(sup)
         self.add_agents(sup)
-        if self.managed:
+        if self.layout.managed:
             sup.add_actor("controller", self.controller, policy=once)
         sup.add_actor("monitor", lambda: monitor, policy=once)
         sup.add_actor("driver", lambda: driver, policy=once)
@@ -383,7 +379,8 @@ def main(args: argparse.Namespace) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     console = Console(soft_wrap=True)
     c, d = job.cluster, job.deployment
-    ranks = c.devices if d.kind == "colocated" else c.trainer_devices
+    layout = job.layout()
+    ranks = len(layout.trainer_pool)
     judge = "GenRM judging" if genrm is not None else "the exact checker scoring"
     console.print(
         f"[bold]pivot run[/bold] {args.config}: GRPO, {job.steps} steps of "
@@ -392,7 +389,6 @@ def main(args: argparse.Namespace) -> int:
         f"deployment {d.kind}; torch engines and DeepSpeed over nng ipc://\nrun dir: {run_dir}"
     )
     started = time.perf_counter()
-    layout = job.layout()
     allocation: dict[str, int] = {"training": len(layout.trainer_pool)}
     for role in layout.initial_roles.values():
         if role.value != "free":

@@ -225,6 +225,9 @@ class RoleScheduler:
         self.reprefill_tokens = 0
         self.reprefills = 0
         self.aborts = 0
+        # replicas whose running sequences changed (or that came or went) since the owner
+        # last cleared this set: a load report rebuilds only their rows
+        self.changed: set[str] = set()
 
     # --- replicas -----------------------------------------------------------------------
 
@@ -245,6 +248,7 @@ class RoleScheduler:
         if replica_id in self._running:
             raise ValueError(f"{self.role.value} replica {replica_id!r} is already registered")
         self._running[replica_id] = {}
+        self.changed.add(replica_id)
         self._reindex()
 
     def remove_replica(
@@ -284,6 +288,7 @@ class RoleScheduler:
     def _place(self, seq: Sequence, replica_id: str) -> Dispatch:
         i = self._pos[replica_id]
         self._running[replica_id][seq.id] = seq
+        self.changed.add(replica_id)
         self._load[i] += 1
         self._tokens[i] += seq.tokens
         self.ledger.move(seq.id, Owner.replica(replica_id), expect=self._owner)
@@ -329,6 +334,7 @@ class RoleScheduler:
         held = self._replica(replica_id)
         ids = list(held) if seq_ids is None else list(seq_ids)
         i = self._pos[replica_id]
+        self.changed.add(replica_id)
         out: list[Sequence] = []
         for seq_id in ids:
             seq = held.pop(seq_id, None)
@@ -347,6 +353,7 @@ class RoleScheduler:
 
     def progress(self, replica_id: str, seq_id: int, generated_tokens: int) -> None:
         seq = self._replica(replica_id)[seq_id]
+        self.changed.add(replica_id)
         self._tokens[self._pos[replica_id]] += generated_tokens - seq.generated_tokens
         seq.generated_tokens = generated_tokens
 
@@ -355,6 +362,7 @@ class RoleScheduler:
         seq = held.pop(seq_id, None)
         if seq is None:
             raise KeyError(f"sequence {seq_id} is not running on {replica_id!r}")
+        self.changed.add(replica_id)
         i = self._pos[replica_id]
         self._load[i] -= 1
         self._tokens[i] -= seq.tokens
