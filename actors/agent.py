@@ -32,7 +32,7 @@ way, so no engine is ever rebuilt. The Controller drives the change (all idempot
     CheckpointWeights(folder)            WeightLoader: a Hugging Face checkpoint folder
     StoreWeights(store, like)            WeightLoader: newest version in a GPS host store
 
-Simulated engines (``pivot.sim_engine``) run on the virtual clock: ``pace_steps`` sleeps each
+Simulated engines (``pivot.engines.sim_engine``) run on the virtual clock: ``pace_steps`` sleeps each
 step's reported cost. ``fast_forward`` goes further for an engine with ``next_event()`` and a
 multi-iteration ``step(max_tokens=None, max_cost_s=...)``: the agent sleeps until the engine's
 next event (a sequence finishes, the KV cache fills) and runs all the iterations up to it in one
@@ -75,7 +75,7 @@ from pivot.actors.shift_messages import (
 )
 from pivot.bus import Actor, Bus, BusError, Directory, handles
 from pivot.cluster import INFERENCE_ROLES, Role
-from pivot.engine import ContextKind, InferenceEngine, NamedTensors
+from pivot.engines.protocol import ContextKind, InferenceEngine, NamedTensors
 
 #: What a device drops on shift-down and takes back on shift-up (persistent context stays).
 SHIFT_CONTEXT = (ContextKind.TRANSIENT, ContextKind.WEIGHTS)
@@ -101,7 +101,7 @@ class CheckpointWeights:
         self.version = version
 
     def __call__(self, model: str, min_version: int) -> tuple[NamedTensors, int]:
-        from pivot.torch_engine import read_checkpoint
+        from pivot.engines.torch_engine import read_checkpoint
 
         if self.version < min_version:
             raise ShiftRefused(
@@ -628,7 +628,7 @@ def torch_agent(
     """
     import time
 
-    from pivot.torch_engine import TorchEngine, read_checkpoint
+    from pivot.engines.torch_engine import TorchEngine, read_checkpoint
 
     folders = dict(checkpoints or {})
     if model is not None:

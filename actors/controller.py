@@ -4,7 +4,7 @@
   each inference scheduler for its load (``QueryLoad``: replicas, running sequences, queue)
   and the trainer for its phase, takes inter-token latencies from the agents' ``load``
   publications, and builds a ``ClusterSnapshot`` over its allocation.
-* Planner: ``pivot.planner.Planner`` (pure); shift durations measured here feed its
+* Planner: ``pivot.planning.planner.Planner`` (pure); shift durations measured here feed its
   ``record_shift_time``.
 * Executor: one shift at a time, through ``pivot.shift.ShiftTransaction``: each phase's
   commands go out as requests (concurrently within a phase), failures are retried with a
@@ -80,13 +80,14 @@ from pivot.actors.trainer_messages import (
 from pivot.bus import Actor, Bus, BusError, handles
 from pivot.cluster import INFERENCE_ROLES, Allocation, ClusterSpec, Move, Role
 from pivot.config import ConfigStruct
-from pivot.cost import CostModel
-from pivot.planner import Decision, Planner, PlannerSettings, ShiftPlan, ShiftPolicy
-from pivot.routing import RouterSettings
+from pivot.planning.cost import CostModel
+from pivot.planning.planner import Planner, PlannerSettings
+from pivot.planning.plans import Decision, ShiftPlan, ShiftPolicy
+from pivot.planning.routing import RouterSettings
+from pivot.planning.snapshot import ClusterSnapshot, QueueState, ReplicaState, TrainerPhase
 from pivot.shift import (
     AcquireDevice,
     AgentView,
-    Command,
     CutRoute,
     EvacuateReplica,
     JoinScheduler,
@@ -97,13 +98,13 @@ from pivot.shift import (
     ReleaseDevice,
     RestoreRoute,
     SchedulerView,
+    ShiftCommand,
     ShiftRecord,
     ShiftTransaction,
     allocation_problems,
     reconcile,
     recover,
 )
-from pivot.snapshot import ClusterSnapshot, QueueState, ReplicaState, TrainerPhase
 
 Seconds = Annotated[float, msgspec.Meta(gt=0.0)]
 EVENTS_TOPIC = "shift"
@@ -387,7 +388,7 @@ class Controller(Actor):
             AllocationChanged(replicas=self._replica_moves(), at=now),
         )
 
-    async def _send(self, command: Command) -> bool:
+    async def _send(self, command: ShiftCommand) -> bool:
         """Send one command; True when it was carried out (a BusError is a failure)."""
         timeout = self.settings.command_timeout_s
         try:
@@ -482,7 +483,7 @@ class Controller(Actor):
             EVENTS_TOPIC, AllocationChanged(replicas=self._replica_moves(), at=self.clock.now())
         )
 
-    async def _run_stage(self, commands: list[Command], *, must: bool) -> bool:
+    async def _run_stage(self, commands: list[ShiftCommand], *, must: bool) -> bool:
         """Send ``commands`` until all succeed (at most ``recovery_attempts`` rounds unless
         ``must``); True when they all did."""
         left = list(commands)

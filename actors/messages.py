@@ -3,7 +3,7 @@
 Whatever must arrive (sequences, completions, scores, shift commands) travels as a request and
 is acknowledged; only what the next sample replaces (load metrics) is published. Token ids
 travel as lists of ints; msgpack keeps them compact. A simulated engine's are
-``pivot.sim_engine.Placeholders``: only their count travels.
+``pivot.engines.sim_engine.Placeholders``: only their count travels.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import msgspec
 
 from pivot.bus import Message
-from pivot.engine import FinishReason, SamplingParams
-from pivot.sim_engine import Placeholders
+from pivot.engines.protocol import FinishReason, SamplingParams
+from pivot.engines.sim_engine import Placeholders
 
 PROTOCOL_VERSION = 1
 

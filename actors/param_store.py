@@ -49,7 +49,7 @@ import msgspec
 import numpy as np
 import torch
 
-from pivot.gps import Holder, Layout, LayoutError, LinkConfig, Transfer, TransferPlanner
+from pivot.gps import Holder, LayoutError, LinkConfig, TensorLayout, Transfer, TransferPlanner
 
 _MAGIC = int.from_bytes(b"PIVOTGPS", "little", signed=True)
 _NOTHING = -1
@@ -61,7 +61,7 @@ _ALIGN = 64
 _STORE_HOLDER = "store"
 
 #: A writer's shard: its tensors and their layouts (None: every tensor whole).
-Shard = tuple[Mapping[str, torch.Tensor], Mapping[str, Layout] | None]
+Shard = tuple[Mapping[str, torch.Tensor], Mapping[str, TensorLayout] | None]
 
 
 class StoreError(RuntimeError):
@@ -192,7 +192,7 @@ def _run(
 
 
 def _check_tensors(
-    tensors: Mapping[str, torch.Tensor], layouts: Mapping[str, Layout], who: str
+    tensors: Mapping[str, torch.Tensor], layouts: Mapping[str, TensorLayout], who: str
 ) -> None:
     if set(tensors) != set(layouts):
         missing = sorted(set(layouts) - set(tensors))
@@ -212,8 +212,8 @@ def _check_tensors(
             raise LayoutError(f"{who}: tensor {name!r} has a flat layout and must be contiguous")
 
 
-def _whole(tensors: Mapping[str, torch.Tensor]) -> dict[str, Layout]:
-    return {name: Layout.whole(tuple(t.shape)) for name, t in tensors.items()}
+def _whole(tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorLayout]:
+    return {name: TensorLayout.whole(tuple(t.shape)) for name, t in tensors.items()}
 
 
 def _manifest(
@@ -282,7 +282,7 @@ class ParameterStore:
     def write(
         self,
         tensors: Mapping[str, torch.Tensor],
-        layouts: Mapping[str, Layout] | None = None,
+        layouts: Mapping[str, TensorLayout] | None = None,
         *,
         version: int | None = None,
     ) -> int:
@@ -327,7 +327,7 @@ class ParameterStore:
         store = Holder(
             name=_STORE_HOLDER,
             host=self.host,
-            layouts={n: Layout.whole(s) for n, s in shapes.items()},
+            layouts={n: TensorLayout.whole(s) for n, s in shapes.items()},
         )
         itemsize = {n: d.itemsize for n, d in dtypes.items()}
         plan = self.planner.plan(sources, [store], itemsize)
@@ -469,7 +469,7 @@ class ParameterReader:
     def read(
         self,
         into: Mapping[str, torch.Tensor],
-        layouts: Mapping[str, Layout] | None = None,
+        layouts: Mapping[str, TensorLayout] | None = None,
     ) -> int:
         """Copy the newest published version into ``into`` (laid out as ``layouts``; whole
         tensors by default) and return its version. Tensors may be a subset of the store's,
@@ -504,12 +504,12 @@ class ParameterReader:
         slot: _Segment,
         manifest: bytes,
         into: Mapping[str, torch.Tensor],
-        layouts: Mapping[str, Layout],
+        layouts: Mapping[str, TensorLayout],
     ) -> None:
         views = slot.tensor_views(manifest)
         source = self._sources.get(manifest)
         if source is None:
-            whole = {n: Layout.whole(tuple(v.shape)) for n, v in views.items()}
+            whole = {n: TensorLayout.whole(tuple(v.shape)) for n, v in views.items()}
             source = Holder(name=_STORE_HOLDER, host=self.host, layouts=whole)
             self._sources = {manifest: source}  # schemas rarely change: keep the latest
         receiver = Holder(

@@ -1,6 +1,6 @@
 """Scheduler: the actor that owns one inference role's shared waiting queue.
 
-It wraps ``pivot.routing.RoleScheduler`` (queue, replica table, routing, ledger) and moves
+It wraps ``pivot.planning.routing.RoleScheduler`` (queue, replica table, routing, ledger) and moves
 the bytes: prompt and partial output of every sequence it holds, Assign requests to agents,
 Finished reports from them, and Completed deliveries to the next stage. Each sequence has one
 owner at every moment; the ledger proves it (``check_ownership``).
@@ -62,8 +62,8 @@ from pivot.actors.shift_messages import (
 )
 from pivot.bus import Actor, Bus, BusError, handles
 from pivot.cluster import Role
-from pivot.queue import Owner, Sequence, SequenceLedger
-from pivot.routing import RoleScheduler, Router
+from pivot.planning.queue import Owner, Sequence, SequenceLedger
+from pivot.planning.routing import RoleScheduler, Router
 
 
 class _CutRouter:

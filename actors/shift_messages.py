@@ -24,7 +24,7 @@ import msgspec
 
 from pivot.actors.messages import Completion, Partial, RLMessage
 from pivot.cluster import Move, Role
-from pivot.planner import Migration
+from pivot.planning.plans import SequenceMigration
 
 # -- controller -> scheduler
 
@@ -62,7 +62,7 @@ class MigrateSequences(RLMessage, kw_only=True):
     """Rebalance: abort each sequence on its source replica and dispatch it to its target.
     Sequences that finished or moved meanwhile are skipped; the reply counts those moved."""
 
-    migrations: list[Migration]
+    migrations: list[SequenceMigration]
 
 
 class QueryLoad(RLMessage, kw_only=True):
@@ -157,7 +157,7 @@ class TrainerPhaseChanged(RLMessage, kw_only=True):
     batch is ready and the trainer needs its pool back now; ``waiting`` or ``training``
     withdraw that. The Controller plans at once instead of at its next tick."""
 
-    phase: str  # pivot.snapshot.TrainerPhase
+    phase: str  # pivot.planning.snapshot.TrainerPhase
 
 
 # -- controller: queries and events

@@ -1,4 +1,4 @@
-"""The training role in a simulation: an actor over ``pivot.sim_engine.SimTrainer`` that answers
+"""The training role in a simulation: an actor over ``pivot.engines.sim_engine.SimTrainer`` that answers
 the Driver's ``SimTrainBatch`` and the Controller's trainer messages the way the real trainer
 actor (``pivot.actors.trainer``) does, costing virtual time instead of computing.
 
@@ -33,7 +33,7 @@ from pivot.actors.trainer_messages import (
     TrainerStatus,
 )
 from pivot.bus import Actor, Bus, BusError, handles
-from pivot.sim_engine import SimTrainer
+from pivot.engines.sim_engine import SimTrainer
 from pivot.timeline import TrainSpan
 from pivot.training import TrainStats
 

@@ -1,6 +1,6 @@
 """A whole RL job on a simulated cluster: the real actors (Driver, Schedulers, RoleAgents, the
 Controller with its journal, a simulated trainer) on the local transport and the virtual clock,
-with engines that cost time by model (``pivot.sim_engine``) instead of computing.
+with engines that cost time by model (``pivot.engines.sim_engine``) instead of computing.
 
 Four deployments, all configurations of the same actors (DESIGN.md, "Baselines are
 configurations, not separate code"):
@@ -71,17 +71,18 @@ from pivot.cluster import (
     RoleSpec,
 )
 from pivot.config import ConfigStruct
-from pivot.planner import TRAINER_ID, Decision, PlannerSettings
-from pivot.routing import (
+from pivot.planning.planner import PlannerSettings
+from pivot.planning.plans import TRAINER_ID, Decision, DoneShift
+from pivot.planning.routing import (
     REWARD_ROUTER,
     ROLLOUT_ROUTER,
     RouterSettings,
     check_ownership,
     make_router,
 )
-from pivot.shift import DoneShift, ShiftRecord
-from pivot.snapshot import ClusterSnapshot
-from pivot.staging import StagePolicy
+from pivot.planning.snapshot import ClusterSnapshot
+from pivot.planning.staging import StagePolicy
+from pivot.shift import ShiftRecord
 from pivot.timeline import RoleSample, ShiftMark, TrainSpan, overall_throughput
 from pivot.workload import Workload
 
@@ -237,7 +238,7 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     tokens: int
 
 
-class Migration(msgspec.Struct, frozen=True, kw_only=True):
+class MigrationCost(msgspec.Struct, frozen=True, kw_only=True):
     """What moving devices cost the run: shift time, and sequences aborted and re-prefilled."""
 
     shifts: int = 0
@@ -260,7 +261,7 @@ class RunResult(msgspec.Struct, kw_only=True):
     samples_per_s: float
     tokens_per_s: float
     shifts_per_step: float
-    migration: Migration
+    migration: MigrationCost
     timeline: list[RoleSample] = []
     marks: list[ShiftMark] = []
     trains: list[TrainSpan] = []
@@ -853,7 +854,7 @@ class _Run:
         samples = sum(s.samples for s in steps)
         tokens = sum(s.tokens for s in steps)
         marks = self.observer.marks
-        migration = Migration(
+        migration = MigrationCost(
             shifts=len(marks),
             shift_s=sum(m.seconds for m in marks),
             trainer_s=self.trainer.shift_s,

@@ -10,7 +10,8 @@ from typing import Protocol
 import msgspec
 
 from pivot.actors.messages import Completion, Placeholders, RLMessage, TokenIds, Work
-from pivot.engine import SamplingParams
+from pivot.engines.protocol import SamplingParams
+from pivot.engines.tokenizer import TextCodec
 from pivot.task import (
     JudgmentTally,
     Problem,
@@ -19,7 +20,6 @@ from pivot.task import (
     make_problems,
     parse_judgment,
 )
-from pivot.tokenizer import TextCodec
 
 
 class Sample(msgspec.Struct, kw_only=True):
@@ -180,7 +180,7 @@ class WorkloadSource:
         self._judgments: dict[int, tuple[int, int]] = {}
 
     def batch(self, step: int, policy_version: int) -> list[tuple[Sample, Work]]:
-        from pivot.sim_engine import sim_sampling
+        from pivot.engines.sim_engine import sim_sampling
 
         lengths = self.sampler.step(step)
         n = lengths.sequences
@@ -220,7 +220,7 @@ class WorkloadSource:
         return None
 
     def judge(self, sample: Sample) -> Work:
-        from pivot.sim_engine import sim_sampling
+        from pivot.engines.sim_engine import sim_sampling
 
         genrm_tokens, judgment_tokens = self._judgments.pop(sample.seq_id)
         return Work(

@@ -224,7 +224,7 @@ class DeepSpeedTrainer:
         self._pin = torch.cuda.is_available()
 
     def _load_partitioned(self, model: torch.nn.Module) -> None:
-        from pivot.torch_engine import read_checkpoint
+        from pivot.engines.torch_engine import read_checkpoint
 
         # every rank reads the names, so that a bad checkpoint fails on all of them alike
         # (not one rank inside a gather the others wait in); rank 0 copies the values
@@ -373,7 +373,7 @@ def _warmup_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int):
 
 
 @dataclass
-class Command:
+class RankCommand:
     """What rank 0 broadcasts. ``kind``: train | publish | offload | reload | fingerprint |
     quit. ``publish``: write the policy to GPS after a train command (every rank must know:
     under ZeRO-3 they all join the gather)."""
@@ -400,7 +400,7 @@ class RankGroup:
         self._group = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
         self.last_write_s = 0.0
 
-    def _exchange(self, command: Command | None) -> Command:
+    def _exchange(self, command: RankCommand | None) -> RankCommand:
         import torch.distributed as dist
 
         box = [command]
@@ -408,7 +408,7 @@ class RankGroup:
         assert box[0] is not None
         return box[0]
 
-    def lead(self, command: Command) -> Any:
+    def lead(self, command: RankCommand) -> Any:
         if self.rank != 0:
             raise RuntimeError("only rank 0 leads the trainer group")
         return self._run(self._exchange(command))
@@ -422,7 +422,7 @@ class RankGroup:
             if command.kind == "quit":
                 return
 
-    def _run(self, command: Command) -> Any:
+    def _run(self, command: RankCommand) -> Any:
         import torch.distributed as dist
 
         engine = self.engine
@@ -526,20 +526,20 @@ class Trainer(Actor):
     async def on_start(self) -> None:
         if self.publish_initial and self.group.store is not None:
             # version 0, the checkpoint: a replica that shifts up before the first step reads it
-            await self._lead(Command("publish"))
+            await self._lead(RankCommand("publish"))
 
     async def on_stop(self) -> None:
         if self._failed is None:
             try:
                 async with asyncio.timeout(30.0):
                     async with self._lock:
-                        await asyncio.to_thread(self.group.lead, Command("quit"))
+                        await asyncio.to_thread(self.group.lead, RankCommand("quit"))
             except Exception as exc:  # the followers are stopped by their supervisor anyway
                 self.log.warning("could not tell the other ranks to quit", error=repr(exc))
         if self.group.store is not None:
             self.group.store.close()
 
-    async def _lead(self, command: Command) -> Any:
+    async def _lead(self, command: RankCommand) -> Any:
         """Run a command on every rank, one at a time, off the event loop."""
         async with self._lock:
             if self._failed is not None:
@@ -604,7 +604,7 @@ class Trainer(Actor):
             if not self._holds_pool.is_set():
                 await self._wait_for_pool()
             stats: TrainStats = await self._lead(
-                Command("train", batch, publish=self.group.store is not None)
+                RankCommand("train", batch, publish=self.group.store is not None)
             )
         finally:
             self._pending = False
@@ -641,7 +641,7 @@ class Trainer(Actor):
 
     async def _reload(self) -> float:
         started = time.perf_counter()
-        await self._lead(Command("reload"))
+        await self._lead(RankCommand("reload"))
         self.reloads += 1
         self._holds_pool.set()
         return time.perf_counter() - started
@@ -653,7 +653,7 @@ class Trainer(Actor):
         if self._pending:
             raise TrainerBusy("a batch is waiting to train: the pool cannot be lent now")
         started = time.perf_counter()
-        await self._lead(Command("offload"))
+        await self._lead(RankCommand("offload"))
         self.offloads += 1
         self._holds_pool.clear()
         await self._set_state("offloaded")
@@ -675,7 +675,7 @@ class Trainer(Actor):
         if msg.fingerprints:
             if not self._holds_pool.is_set():
                 raise TrainerOffloaded("fingerprints need the parameters: reload first")
-            digests = await self._lead(Command("fingerprint"))
+            digests = await self._lead(RankCommand("fingerprint"))
         return self._status(digests, seconds=time.perf_counter() - started)
 
 
@@ -880,8 +880,8 @@ def bench_samples(prompts: int = 16, samples_per_prompt: int = 4, seed: int = 0)
     """A batch shaped like the tiny job's: task prompts, worked responses (~30 tokens with the
     prompt), one rewarded sample per prompt."""
     from pivot import task
+    from pivot.engines.tokenizer import TextCodec, build_tokenizer
     from pivot.grpo import RolloutSample
-    from pivot.tokenizer import TextCodec, build_tokenizer
 
     codec = TextCodec(build_tokenizer())
     out = []

@@ -9,7 +9,7 @@ import time
 import torch
 
 from pivot.actors.param_store import ParameterReader, ParameterStore
-from pivot.gps import Layout
+from pivot.gps import TensorLayout
 
 
 def toy_state(layers: int = 4, hidden: int = 512, mlp: int = 2048) -> dict[str, torch.Tensor]:
@@ -22,10 +22,10 @@ def toy_state(layers: int = 4, hidden: int = 512, mlp: int = 2048) -> dict[str, 
     return state
 
 
-def tp_layouts(state: dict[str, torch.Tensor], tp: int, rank: int) -> dict[str, Layout]:
+def tp_layouts(state: dict[str, torch.Tensor], tp: int, rank: int) -> dict[str, TensorLayout]:
     # column-parallel qkv/up split the output dim, row-parallel o/down the input dim
     return {
-        n: Layout.sharded(t.shape, 0 if n.endswith(("qkv", "up")) else 1, tp, rank)
+        n: TensorLayout.sharded(t.shape, 0 if n.endswith(("qkv", "up")) else 1, tp, rank)
         for n, t in state.items()
     }
 
@@ -33,7 +33,7 @@ def tp_layouts(state: dict[str, torch.Tensor], tp: int, rank: int) -> dict[str, 
 def zero_shards(state: dict[str, torch.Tensor], world: int):
     shards = []
     for rank in range(world):
-        layouts = {n: Layout.flat_range(t.shape, world, rank) for n, t in state.items()}
+        layouts = {n: TensorLayout.flat_range(t.shape, world, rank) for n, t in state.items()}
         tensors = {n: torch.chunk(t.reshape(-1), world)[rank].clone() for n, t in state.items()}
         shards.append((tensors, layouts))
     return shards

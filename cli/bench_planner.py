@@ -17,14 +17,14 @@ from pathlib import Path
 
 import numpy as np
 
-from pivot.cluster import ClusterConfig, ClusterSpec, Layout, Role, RoleSpec
-from pivot.cost import CostModel, cost_model_for
-from pivot.planner import Planner, PlannerSettings
-from pivot.snapshot import ClusterSnapshot, QueueState, ReplicaState, TrainerPhase
+from pivot.cluster import ClusterConfig, ClusterSpec, ReplicaLayout, Role, RoleSpec
+from pivot.planning.cost import CostModel, cost_model_for
+from pivot.planning.planner import Planner, PlannerSettings
+from pivot.planning.snapshot import ClusterSnapshot, QueueState, ReplicaState, TrainerPhase
 
 COST_MODELS = Path(__file__).resolve().parent.parent / "configs" / "cost_models"
-ROLLOUT = RoleSpec(model="qwen2.5-7b", layout=Layout(tp=1))
-REWARD = RoleSpec(model="qwen3-30b-a3b", layout=Layout(tp=4))
+ROLLOUT = RoleSpec(model="qwen2.5-7b", layout=ReplicaLayout(tp=1))
+REWARD = RoleSpec(model="qwen3-30b-a3b", layout=ReplicaLayout(tp=4))
 DEVICES_PER_HOST = 4
 
 # The paper's Table 2, seconds: mean (std) per GPU count

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import msgspec
 
-import pivot
 from pivot.actors import shift_messages, sources, trainer_messages  # noqa: F401 (messages)
 from pivot.actors.controller import Controller, ControllerSettings, open_journal
 from pivot.actors.driver import Driver, StepReport
@@ -34,20 +33,19 @@ from pivot.actors.scheduler import Scheduler
 from pivot.actors.shift_messages import AllocationReport, QueryAllocation, TrainerPhaseChanged
 from pivot.actors.sources import TaskSource
 from pivot.actors.trainer import trainer_names
+from pivot.assets import ASSETS
 from pivot.bus import Bus, Directory, RestartPolicy, Supervisor, configure_logging, run_real
 from pivot.cli.live import LiveView
 from pivot.cli.plot import plot_run
 from pivot.cluster import ClusterSpec, Device, Pool, Role, RoleSpec
 from pivot.config import ConfigError, load_toml
-from pivot.cost import CostModel
-from pivot.engine import SamplingParams
+from pivot.engines.protocol import SamplingParams
+from pivot.engines.tokenizer import TextCodec
 from pivot.job import JobConfig
-from pivot.routing import RouterSettings, make_router
-from pivot.staging import StagePolicy
+from pivot.planning.cost import CostModel
+from pivot.planning.routing import RouterSettings, make_router
+from pivot.planning.staging import StagePolicy
 from pivot.timeline import RoleSample, ShiftMark, TrainSpan
-from pivot.tokenizer import TextCodec
-
-ASSETS = Path(pivot.__file__).resolve().parent / "assets"
 
 # Estimate, not a measurement: the tiny models' per-step cost on one CPU thread. It ranks
 # replicas for routing and is the planner's prior; the Controller sees measured latencies.

@@ -51,7 +51,7 @@ class Pool(StrEnum):
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 
 
-class Layout(ConfigStruct):
+class ReplicaLayout(ConfigStruct):
     """Parallel layout of one replica; its device count is tp * pp (experts ride on tp)."""
 
     tp: PositiveInt = 1
@@ -71,7 +71,7 @@ class RoleSpec(ConfigStruct):
     """What one inference role runs: the model, the layout of each replica, its KV capacity."""
 
     model: str
-    layout: Layout = Layout()
+    layout: ReplicaLayout = ReplicaLayout()
     # per replica; only the rule-based planner (KV-threshold ablation) reads it
     kv_capacity_tokens: PositiveInt = 262_144
 

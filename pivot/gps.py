@@ -2,7 +2,7 @@
 
 This module owns the pure half of Global Parameter Storage (DESIGN.md, "GPS"):
 
-* ``Layout``: how one holder holds one tensor: whole, split along one dimension, or split
+* ``TensorLayout``: how one holder holds one tensor: whole, split along one dimension, or split
   as a flat (row-major) range the way ZeRO partitions a parameter; with the shard indices
   it holds.
 * Refinement: the receiver's layout and every source's layout are cut to their common,
@@ -142,7 +142,7 @@ class Access(msgspec.Struct, frozen=True, kw_only=True):
         return buffer[tuple(slice(a, b) for a, b in self.index)]
 
 
-class Layout(msgspec.Struct, frozen=True, kw_only=True):
+class TensorLayout(msgspec.Struct, frozen=True, kw_only=True):
     """How one holder holds one tensor of shape ``shape``.
 
     ``dim``: ``None`` (the whole tensor), a dimension index (split along it), or ``"flat"``
@@ -150,7 +150,7 @@ class Layout(msgspec.Struct, frozen=True, kw_only=True):
     parts held, strictly increasing. The holder's local buffer concatenates its parts in
     index order: along ``dim`` for a dimension split, as one 1-D tensor for ``"flat"``.
     ``rule``: how parts are sized (module docstring); it defaults to ``"balanced"`` here,
-    but to ``"chunk"`` (ZeRO's) in ``Layout.flat_range``.
+    but to ``"chunk"`` (ZeRO's) in ``TensorLayout.flat_range``.
     """
 
     shape: tuple[int, ...]
@@ -191,7 +191,7 @@ class Layout(msgspec.Struct, frozen=True, kw_only=True):
     # --- constructors -------------------------------------------------------------------
 
     @classmethod
-    def whole(cls, shape: Sequence[int]) -> Layout:
+    def whole(cls, shape: Sequence[int]) -> TensorLayout:
         return cls(shape=tuple(shape))
 
     @classmethod
@@ -202,7 +202,7 @@ class Layout(msgspec.Struct, frozen=True, kw_only=True):
         mesh: int,
         indices: int | Sequence[int],
         rule: SplitRule = "balanced",
-    ) -> Layout:
+    ) -> TensorLayout:
         idx = (indices,) if isinstance(indices, int) else tuple(indices)
         return cls(shape=tuple(shape), dim=dim, mesh=mesh, indices=idx, rule=rule)
 
@@ -213,7 +213,7 @@ class Layout(msgspec.Struct, frozen=True, kw_only=True):
         mesh: int,
         indices: int | Sequence[int],
         rule: SplitRule = "chunk",
-    ) -> Layout:
+    ) -> TensorLayout:
         """A ZeRO-style flat partition; ``rule`` defaults to ZeRO-3's (torch.chunk)."""
         idx = (indices,) if isinstance(indices, int) else tuple(indices)
         return cls(shape=tuple(shape), dim=FLAT, mesh=mesh, indices=idx, rule=rule)
@@ -320,7 +320,7 @@ class Layout(msgspec.Struct, frozen=True, kw_only=True):
         return Access(index=region[:d] + ((a + shift, b + shift),) + region[d + 1 :])
 
 
-def refine(needed: Layout, sources: Iterable[Layout]) -> list[Region]:
+def refine(needed: TensorLayout, sources: Iterable[TensorLayout]) -> list[Region]:
     """The atomic slices of what ``needed`` holds, cut at every source layout's parts.
 
     Each slice lies inside one piece of ``needed`` and inside one part (one contiguous box,
@@ -347,7 +347,7 @@ class Holder(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     host: str
     device: int | None = None
-    layouts: dict[str, Layout] = {}
+    layouts: dict[str, TensorLayout] = {}
 
     def key(self) -> tuple[Any, ...]:
         return (self.name, self.host, self.device, tuple(sorted(self.layouts.items())))

@@ -14,7 +14,7 @@ import msgspec
 
 from pivot.cluster import Role
 from pivot.config import ConfigError, ConfigStruct
-from pivot.planner import PlannerSettings
+from pivot.planning.planner import PlannerSettings
 from pivot.training import TrainingSettings
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]

@@ -40,14 +40,14 @@ and routed to, and the trainer holds its pool exactly when the pool's agents say
 Pure and synchronous: times come in as arguments.
 
     ShiftTransaction.begin(txn, plan, at) -> (txn, ShiftPlanned record)
-    txn.pending() -> [Command];  txn.confirm(command, ok, *, give_up=False)
+    txn.pending() -> [ShiftCommand];  txn.confirm(command, ok, *, give_up=False)
     txn.advance(at) -> PhaseReached record;  txn.finished;  txn.applied_moves()
     txn.rolls_back;  txn.rollback_commands();  txn.rolled_back(at) -> PhaseReached
     recover(records) -> JournalState(unfinished, next_txn, problems)
     reconcile(spec, agents, schedulers, trainer_holds_pool) -> Reconciliation
     allocation_problems(spec, agents, schedulers, trainer_holds_pool) -> [str]
     ShiftRecord = ShiftPlanned | PhaseReached   (what the journal holds)
-    Command = CutRoute | RestoreRoute | EvacuateReplica | ReleaseDevice | AcquireDevice
+    ShiftCommand = CutRoute | RestoreRoute | EvacuateReplica | ReleaseDevice | AcquireDevice
               | JoinScheduler | LendPool | ReclaimPool | Rebalance
 """
 
@@ -60,7 +60,7 @@ from typing import NamedTuple
 import msgspec
 
 from pivot.cluster import INFERENCE_ROLES, ClusterSpec, Move, Replica, Role
-from pivot.planner import Migration, ShiftPlan
+from pivot.planning.plans import DoneShift, SequenceMigration, ShiftPlan
 
 # --- phases and journal records -----------------------------------------------------------
 
@@ -182,10 +182,10 @@ class Rebalance(msgspec.Struct, frozen=True):
     """To ``role``'s scheduler: move running sequences between replicas (best effort)."""
 
     role: Role
-    migrations: tuple[Migration, ...]
+    migrations: tuple[SequenceMigration, ...]
 
 
-Command = (
+ShiftCommand = (
     CutRoute
     | RestoreRoute
     | EvacuateReplica
@@ -198,7 +198,7 @@ Command = (
 )
 
 
-def may_give_up(command: Command) -> bool:
+def may_give_up(command: ShiftCommand) -> bool:
     """Whether a command that keeps failing may be abandoned instead of retried forever."""
     if isinstance(command, AcquireDevice):
         return command.role in INFERENCE_ROLES
@@ -225,7 +225,7 @@ class ShiftTransaction:
         self.started_at = started_at
         self.phase = phase
         self.failed: set[str] = set(failed)
-        self._confirmed: set[Command] = set()
+        self._confirmed: set[ShiftCommand] = set()
         wake_ids = {m.replica_id for m in plan.wakes}
         unknown = self.failed - wake_ids
         if unknown:
@@ -250,10 +250,10 @@ class ShiftTransaction:
     def _inference_evictions(self) -> list[Move]:
         return [m for m in self.plan.evictions if m.role in INFERENCE_ROLES]
 
-    def commands(self, phase: Phase) -> list[Command]:
+    def commands(self, phase: Phase) -> list[ShiftCommand]:
         """Every command that takes the shift into ``phase`` (given the wakes failed now)."""
         plan = self.plan
-        out: list[Command] = []
+        out: list[ShiftCommand] = []
         if phase is Phase.ROUTING_CUT:
             out = [CutRoute(m.role, m.replica_id) for m in self._inference_evictions()]
         elif phase is Phase.ABORTED:
@@ -292,14 +292,14 @@ class ShiftTransaction:
             raise ShiftError(f"no commands lead to phase {phase.value!r}")
         return out
 
-    def pending(self) -> list[Command]:
+    def pending(self) -> list[ShiftCommand]:
         """Commands of the next phase not confirmed yet, in a stable order."""
         nxt = self.next_phase()
         if nxt is None:
             return []
         return [c for c in self.commands(nxt) if c not in self._confirmed]
 
-    def confirm(self, command: Command, ok: bool, *, give_up: bool = False) -> None:
+    def confirm(self, command: ShiftCommand, ok: bool, *, give_up: bool = False) -> None:
         """Record one reply. A failure is retried, unless ``give_up`` and the command may be
         given up: then its wake is marked failed (or, for a rebalance, dropped)."""
         if ok:
@@ -334,13 +334,13 @@ class ShiftTransaction:
         """On recovery: abandon this shift (True) or finish it (False)."""
         return self.phase in ROLL_BACK_FROM
 
-    def rollback_commands(self) -> list[Command]:
+    def rollback_commands(self) -> list[ShiftCommand]:
         """What undoes a shift that got no further than cutting routes: routes restored, and
         a victim already dropped by its scheduler registers again (its agent still holds it,
         since nothing is released before ``aborted`` is recorded)."""
         if not self.rolls_back:
             raise ShiftError(f"shift {self.txn} at {self.phase.value!r} is rolled forward")
-        out: list[Command] = []
+        out: list[ShiftCommand] = []
         for move in self._inference_evictions():
             out.append(RestoreRoute(move.role, move.replica_id))
             out.append(JoinScheduler(move.devices[0], move.role, move.replica_id))
@@ -360,14 +360,6 @@ class ShiftTransaction:
         return tuple(
             m for m in self.plan.moves if not (m.kind == "wake" and m.replica_id in self.failed)
         )
-
-
-class DoneShift(NamedTuple):
-    """A journaled shift that reached ``done``: its plan's kind and when it began and ended."""
-
-    kind: str
-    started_at: float
-    done_at: float
 
 
 class JournalState(NamedTuple):
@@ -447,7 +439,7 @@ class Reconciliation(NamedTuple):
     commands within one stage are independent), and the problems that called for them."""
 
     replicas: list[Replica]
-    stages: list[list[Command]]
+    stages: list[list[ShiftCommand]]
     problems: list[str]
 
 
@@ -500,9 +492,9 @@ def reconcile(
     problems: list[str] = []
     valid, claims = _valid_replicas(spec, agents, problems)
     by_device = {v.device: v for v in agents}
-    evacuate: list[Command] = []
-    release: list[Command] = []
-    join: list[Command] = []
+    evacuate: list[ShiftCommand] = []
+    release: list[ShiftCommand] = []
+    join: list[ShiftCommand] = []
     for replica_id, views in sorted(claims.items()):
         if replica_id not in valid:
             release.extend(ReleaseDevice(v.device, replica_id) for v in views)

@@ -25,10 +25,9 @@ from typing import Annotated
 import msgspec
 import numpy as np
 
-from pivot.cluster import Layout, Role
+from pivot.cluster import ReplicaLayout, Role
 from pivot.config import ConfigError, ConfigStruct, load_toml
-from pivot.cost import CostModel, load_cost_models
-from pivot.sim_engine import (
+from pivot.engines.sim_engine import (
     Hardware,
     ShiftCostModel,
     ShiftCosts,
@@ -37,6 +36,7 @@ from pivot.sim_engine import (
     TrainerCosts,
     weight_bytes,
 )
+from pivot.planning.cost import CostModel, load_cost_models
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 Positive = Annotated[float, msgspec.Meta(gt=0.0)]
@@ -50,7 +50,7 @@ class ModelSpec(ConfigStruct, kw_only=True):
     """One model as a role runs it. ``model`` names its file in the cost-model folder."""
 
     model: str
-    layout: Layout = Layout()
+    layout: ReplicaLayout = ReplicaLayout()
     params_b: Positive  # total parameters, billions
     active_params_b: Positive | None = None  # per token (mixture of experts); None: dense
     kv_bytes_per_token: PositiveInt  # KV cache per token, whole model, bf16

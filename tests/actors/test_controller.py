@@ -59,9 +59,8 @@ from pivot.bus import (
     handles,
     run_virtual,
 )
-from pivot.cluster import ClusterConfig, ClusterSpec, Layout, Role, RoleSpec
-from pivot.cost import CostModel
-from pivot.engine import (
+from pivot.cluster import ClusterConfig, ClusterSpec, ReplicaLayout, Role, RoleSpec
+from pivot.engines.protocol import (
     ContextKind,
     EngineNotServing,
     EngineStats,
@@ -73,9 +72,11 @@ from pivot.engine import (
     TokenEvent,
     as_context_kinds,
 )
-from pivot.planner import Migration, PlannerSettings
-from pivot.queue import Sequence
-from pivot.routing import RouterSettings, check_ownership, make_router
+from pivot.planning.cost import CostModel
+from pivot.planning.planner import PlannerSettings
+from pivot.planning.plans import SequenceMigration
+from pivot.planning.queue import Sequence
+from pivot.planning.routing import RouterSettings, check_ownership, make_router
 from pivot.shift import FORWARD, AgentView, SchedulerView, ShiftRecord, allocation_problems
 
 MODEL = CostModel(a=1e-5, b=0.01, c=1e-3, d=0.005)
@@ -861,7 +862,7 @@ def test_cut_routing_stops_new_work_and_migration_moves_running_sequences(tmp_pa
         assert len(scheduler.core.running_on("rollout@0")) == 6
         assert scheduler.core.running_on("rollout@1") == []
         await client.request("rollout-sched", RestoreRouting(replica="rollout@1"))
-        moves = [Migration(i, "rollout@0", "rollout@1") for i in (0, 1, 2)]
+        moves = [SequenceMigration(i, "rollout@0", "rollout@1") for i in (0, 1, 2)]
         moved = await client.request(
             "rollout-sched", MigrateSequences(migrations=moves), expect=Ack
         )
@@ -1055,7 +1056,7 @@ def test_a_two_device_reward_replica_wakes_on_two_rollout_devices(tmp_path):
                 hosts=2,
                 devices_per_host=4,
                 rollout=RoleSpec(model="policy"),
-                reward=RoleSpec(model="genrm", layout=Layout(tp=2)),
+                reward=RoleSpec(model="genrm", layout=ReplicaLayout(tp=2)),
             )
         )
         layout = {d: ("rollout", f"rollout@{d}", (d,)) for d in range(6)}

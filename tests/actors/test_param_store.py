@@ -23,7 +23,7 @@ from pivot.actors.param_store import (
     StoreError,
     slot_name,
 )
-from pivot.gps import FLAT, Layout, LayoutError
+from pivot.gps import FLAT, LayoutError, TensorLayout
 
 SHM = "/dev/shm"
 
@@ -56,7 +56,7 @@ def split(x: torch.Tensor, mesh: int, rule: str, dim: int) -> list[torch.Tensor]
     return parts + [x.narrow(dim, x.shape[dim], 0)] * (mesh - len(parts))
 
 
-def local(full: torch.Tensor, layout: Layout) -> torch.Tensor:
+def local(full: torch.Tensor, layout: TensorLayout) -> torch.Tensor:
     """What a holder with ``layout`` holds of ``full``, from torch's own splits."""
     if layout.dim is None:
         return full.clone()
@@ -78,11 +78,11 @@ def partition(draw, shape):
     return dim, draw(st.integers(1, 4)), draw(st.sampled_from(["balanced", "chunk"]))
 
 
-def layout_of(shape, part, indices) -> Layout:
+def layout_of(shape, part, indices) -> TensorLayout:
     dim, mesh, rule = part
     if dim is None:
-        return Layout.whole(shape)
-    return Layout(shape=shape, dim=dim, mesh=mesh, indices=tuple(sorted(indices)), rule=rule)
+        return TensorLayout.whole(shape)
+    return TensorLayout(shape=shape, dim=dim, mesh=mesh, indices=tuple(sorted(indices)), rule=rule)
 
 
 @st.composite
@@ -90,8 +90,8 @@ def round_trips(draw):
     """Tensors; writer shards that together cover them; one reader's layouts."""
     names = draw(st.lists(st.sampled_from(["w", "b", "emb"]), min_size=1, max_size=3, unique=True))
     n_shards = draw(st.integers(1, 3))
-    shards: list[dict[str, Layout]] = [{} for _ in range(n_shards)]
-    reader: dict[str, Layout] = {}
+    shards: list[dict[str, TensorLayout]] = [{} for _ in range(n_shards)]
+    reader: dict[str, TensorLayout] = {}
     full = {}
     for name in names:
         shape = tuple(draw(st.lists(st.integers(1, 6), min_size=0, max_size=3)))
@@ -146,7 +146,7 @@ def test_a_reader_may_read_a_subset_and_cast():
     with ParameterStore() as store, ParameterReader(store.name) as reader:
         store.write({"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(4)})
         into = {"w": torch.empty(3, 2, dtype=torch.bfloat16)}
-        reader.read(into, {"w": Layout.sharded((3, 4), 1, 2, 1)})
+        reader.read(into, {"w": TensorLayout.sharded((3, 4), 1, 2, 1)})
         assert torch.equal(into["w"], torch.arange(12.0).reshape(3, 4)[:, 2:].bfloat16())
 
 
@@ -232,7 +232,10 @@ def _read_until_last(store: str, last: int, results) -> None:
     torch.set_num_threads(1)  # a forked child must not touch the parent's OpenMP pool
     try:
         reads, previous = 0, 0
-        layouts = {"a": Layout.sharded(SHAPE, 0, 3, [0, 2]), "b": Layout.flat_range(SHAPE, 4, 1)}
+        layouts = {
+            "a": TensorLayout.sharded(SHAPE, 0, 3, [0, 2]),
+            "b": TensorLayout.flat_range(SHAPE, 4, 1),
+        }
         into = {n: torch.empty(lay.local_shape()) for n, lay in layouts.items()}
         with ParameterReader(store, name=f"reader-{os.getpid()}") as reader:
             deadline = time.monotonic() + 60
@@ -287,7 +290,7 @@ def test_concurrent_readers_never_see_half_a_version(one_torch_thread):
 
 def test_a_write_that_leaves_a_region_uncovered_is_refused_and_publishes_nothing():
     with ParameterStore() as store:
-        half = Layout.sharded((4, 2), 0, 2, [0])
+        half = TensorLayout.sharded((4, 2), 0, 2, [0])
         with pytest.raises(LayoutError, match="held by no source"):
             store.write({"w": torch.ones(2, 2)}, {"w": half})
         assert store.version is None
@@ -296,7 +299,7 @@ def test_a_write_that_leaves_a_region_uncovered_is_refused_and_publishes_nothing
 
 def test_shards_must_agree_on_dtype_and_match_their_layouts():
     with ParameterStore() as store:
-        lay = [Layout.sharded((4,), 0, 2, i) for i in (0, 1)]
+        lay = [TensorLayout.sharded((4,), 0, 2, i) for i in (0, 1)]
         with pytest.raises(LayoutError, match="dtype torch.float64 in shard1"):
             store.write_shards(
                 [
@@ -320,9 +323,9 @@ def test_reader_errors_name_what_is_wrong():
         with pytest.raises(LayoutError, match="shape mismatch"):
             reader.read({"w": torch.zeros(5)})
         with pytest.raises(LayoutError, match="rm-0: tensor 'w' has shape \\(4,\\)"):
-            reader.read({"w": torch.zeros(4)}, {"w": Layout.sharded((4,), 0, 2, 0)})
+            reader.read({"w": torch.zeros(4)}, {"w": TensorLayout.sharded((4,), 0, 2, 0)})
         with pytest.raises(LayoutError, match="must be contiguous"):
-            reader.read({"w": torch.zeros(4)[::2]}, {"w": Layout.flat_range((4,), 2, 0)})
+            reader.read({"w": torch.zeros(4)[::2]}, {"w": TensorLayout.flat_range((4,), 2, 0)})
         store.close()
         with pytest.raises(StoreClosed):
             reader.read({"w": torch.zeros(4)})

@@ -29,8 +29,7 @@ from pivot.actors.sources import TaskSource
 from pivot.actors.trainer_messages import TrainBatch, Trained
 from pivot.bus import Actor, Bus, LocalTransport, handles, run_virtual
 from pivot.cluster import Role
-from pivot.cost import CostModel
-from pivot.engine import (
+from pivot.engines.protocol import (
     ContextKind,
     EngineStats,
     FinishedSequence,
@@ -40,11 +39,12 @@ from pivot.engine import (
     StepOutput,
     TokenEvent,
 )
+from pivot.engines.tokenizer import TextCodec, build_tokenizer
 from pivot.grpo import TrainStats
 from pivot.job import JobConfig, RolloutSection
-from pivot.routing import RouterSettings, check_ownership, make_router
+from pivot.planning.cost import CostModel
+from pivot.planning.routing import RouterSettings, check_ownership, make_router
 from pivot.task import ideal_judgment, worked_response
-from pivot.tokenizer import TextCodec, build_tokenizer
 
 CODEC = TextCodec(build_tokenizer())
 

@@ -31,6 +31,8 @@ from pivot.actors.trainer_messages import (
     TrainerStatus,
 )
 from pivot.bus import Actor, Bus, Directory, LocalTransport, RemoteError, Supervisor, handles
+from pivot.engines.tokenizer import TextCodec, build_tokenizer, save_pretrained
+from pivot.engines.torch_engine import TorchEngine
 from pivot.grpo import (
     RolloutSample,
     TrainingSettings,
@@ -39,8 +41,6 @@ from pivot.grpo import (
     policy_loss,
     token_logprobs,
 )
-from pivot.tokenizer import TextCodec, build_tokenizer, save_pretrained
-from pivot.torch_engine import TorchEngine
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -35,7 +35,7 @@ import pivot
 
 if TYPE_CHECKING:
     from pivot.actors.sources import TaskSource
-    from pivot.torch_engine import TorchEngine
+    from pivot.engines.torch_engine import TorchEngine
 
 PIVOT = [sys.executable, "-m", "pivot.cli.main"]
 ASSETS = Path(pivot.__file__).resolve().parent / "assets"
@@ -136,9 +136,9 @@ def _untrained_rollout(steps: list[int]) -> dict[int, tuple[float, int]]:
     import torch
 
     from pivot.actors.sources import TaskSource
-    from pivot.engine import SamplingParams
-    from pivot.tokenizer import TextCodec
-    from pivot.torch_engine import TorchEngine
+    from pivot.engines.protocol import SamplingParams
+    from pivot.engines.tokenizer import TextCodec
+    from pivot.engines.torch_engine import TorchEngine
 
     policy = ASSETS / "tiny-policy"
     codec = TextCodec.from_dir(policy)

@@ -28,10 +28,10 @@ from pivot.actors.simulation import (
 )
 from pivot.bus import configure_logging, run_virtual
 from pivot.cluster import ClusterSpec, Device, Pool, Role, RoleSpec
-from pivot.planner import TRAINER_ID
+from pivot.planning.plans import TRAINER_ID
+from pivot.planning.snapshot import ClusterSnapshot, QueueState, ReplicaState, TrainerPhase
+from pivot.planning.staging import StagePolicy
 from pivot.shift import ShiftRecord, recover
-from pivot.snapshot import ClusterSnapshot, QueueState, ReplicaState, TrainerPhase
-from pivot.staging import StagePolicy
 from pivot.workload import load_workload
 
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
-from pivot.cluster import ClusterConfig, ClusterSpec, Layout, Role, RoleSpec
-from pivot.cost import CostModel, cost_model_for
-from pivot.snapshot import ClusterSnapshot, QueueState, ReplicaState, TrainerPhase
+from pivot.cluster import ClusterConfig, ClusterSpec, ReplicaLayout, Role, RoleSpec
+from pivot.planning.cost import CostModel, cost_model_for
+from pivot.planning.snapshot import ClusterSnapshot, QueueState, ReplicaState, TrainerPhase
 
 COST_MODELS = Path(__file__).resolve().parents[2] / "configs" / "cost_models"
-ROLLOUT_MODEL = cost_model_for(COST_MODELS, "qwen2.5-7b", Layout(tp=1))
-REWARD_MODEL = cost_model_for(COST_MODELS, "qwen3-30b-a3b", Layout(tp=4))
+ROLLOUT_MODEL = cost_model_for(COST_MODELS, "qwen2.5-7b", ReplicaLayout(tp=1))
+REWARD_MODEL = cost_model_for(COST_MODELS, "qwen3-30b-a3b", ReplicaLayout(tp=4))
 MODELS: dict[Role, CostModel] = {Role.ROLLOUT: ROLLOUT_MODEL, Role.REWARD: REWARD_MODEL}
 
 _seq_ids = itertools.count()
@@ -30,8 +30,8 @@ def cluster(
             hosts=hosts,
             devices_per_host=per_host,
             trainer_hosts=trainer_hosts,
-            rollout=RoleSpec(model="qwen2.5-7b", layout=Layout(tp=rollout_tp)),
-            reward=RoleSpec(model="qwen3-30b-a3b", layout=Layout(tp=reward_tp)),
+            rollout=RoleSpec(model="qwen2.5-7b", layout=ReplicaLayout(tp=rollout_tp)),
+            reward=RoleSpec(model="qwen3-30b-a3b", layout=ReplicaLayout(tp=reward_tp)),
         )
     )
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pivot.candidates import (
+from pivot.planning.candidates import (
     BLOCKED,
     EPS_TRAINER,
     EPS_VICTIM,

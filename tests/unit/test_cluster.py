@@ -9,10 +9,10 @@ from pivot.cluster import (
     ClusterError,
     ClusterSpec,
     Device,
-    Layout,
     Move,
     Pool,
     Replica,
+    ReplicaLayout,
     Role,
     RoleSpec,
 )
@@ -99,4 +99,4 @@ def test_free_devices_by_pool():
     alloc = Allocation(spec, [Replica("t", Role.TRAINING, spec.trainer_pool)])
     assert alloc.free_devices(Pool.TRAINER) == []
     assert len(alloc.free_devices(Pool.SHARED)) == 12
-    assert Layout(tp=4, pp=2).key == "TP4_PP2" and Layout(tp=4, pp=2).size == 8
+    assert ReplicaLayout(tp=4, pp=2).key == "TP4_PP2" and ReplicaLayout(tp=4, pp=2).size == 8

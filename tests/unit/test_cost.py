@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 from planner_cases import COST_MODELS
 
-from pivot.cluster import Layout
+from pivot.cluster import ReplicaLayout
 from pivot.config import ConfigError
-from pivot.cost import (
+from pivot.planning.cost import (
     CostModel,
     OnlineCostModel,
     cost_model_for,
@@ -53,16 +53,16 @@ def test_estimates_are_marked_and_say_how():
 
 
 def test_a_smaller_model_is_cheaper_per_step():
-    small = cost_model_for(COST_MODELS, "qwen2.5-1.5b", Layout(tp=1))
-    base = cost_model_for(COST_MODELS, "qwen2.5-7b", Layout(tp=1))
+    small = cost_model_for(COST_MODELS, "qwen2.5-1.5b", ReplicaLayout(tp=1))
+    base = cost_model_for(COST_MODELS, "qwen2.5-7b", ReplicaLayout(tp=1))
     assert small.itl_one(64, 64 * 3000) < base.itl_one(64, 64 * 3000)
 
 
 def test_missing_layout_and_bad_key_are_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="layouts.TP8_PP1"):
-        cost_model_for(COST_MODELS, "qwen2.5-7b", Layout(tp=8))
+        cost_model_for(COST_MODELS, "qwen2.5-7b", ReplicaLayout(tp=8))
     with pytest.raises(ConfigError, match="cost-model file for 'nope'"):
-        cost_model_for(COST_MODELS, "nope", Layout())
+        cost_model_for(COST_MODELS, "nope", ReplicaLayout())
     bad = tmp_path / "bad.toml"
     bad.write_text('model = "m"\nsource = "s"\n[layouts.TP1]\na = 0\nb = 0\nc = 0\nd = 0\n')
     with pytest.raises(ConfigError, match="layout key like TP4_PP1"):

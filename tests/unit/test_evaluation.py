@@ -7,10 +7,10 @@ from hypothesis import strategies as st
 from planner_cases import REWARD_MODEL, ROLLOUT_MODEL, replica
 
 from pivot.cluster import Role
-from pivot.cost import CostModel
-from pivot.evaluation import build_role_load, objective, simulate_role
-from pivot.routing import REWARD_ROUTER, ROLLOUT_ROUTER, RouterSettings, make_router
-from pivot.snapshot import QueueState, ReplicaState
+from pivot.planning.cost import CostModel
+from pivot.planning.evaluation import build_role_load, objective, simulate_role
+from pivot.planning.routing import REWARD_ROUTER, ROLLOUT_ROUTER, RouterSettings, make_router
+from pivot.planning.snapshot import QueueState, ReplicaState
 
 
 def load_of(

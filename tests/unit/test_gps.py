@@ -19,10 +19,10 @@ from pivot.config import ConfigError, decode_toml
 from pivot.gps import (
     FLAT,
     Holder,
-    Layout,
     LayoutError,
     Link,
     LinkConfig,
+    TensorLayout,
     TransferPlanner,
     part_bounds,
     plan_transfers,
@@ -37,7 +37,7 @@ def split(x: torch.Tensor, mesh: int, rule: str, dim: int) -> list[torch.Tensor]
     return parts + [x.narrow(dim, x.shape[dim], 0)] * (mesh - len(parts))
 
 
-def reference_local(full: torch.Tensor, layout: Layout) -> torch.Tensor:
+def reference_local(full: torch.Tensor, layout: TensorLayout) -> torch.Tensor:
     """What a holder with ``layout`` holds of ``full``, built from torch's own splits."""
     if layout.dim is None:
         return full.clone()
@@ -68,11 +68,11 @@ def partitions(draw, shape):
     return dim, draw(st.integers(1, 5)), draw(st.sampled_from(["balanced", "chunk"]))
 
 
-def make_layout(shape, partition, indices) -> Layout:
+def make_layout(shape, partition, indices) -> TensorLayout:
     dim, mesh, rule = partition
     if dim is None:
-        return Layout.whole(shape)
-    return Layout(shape=shape, dim=dim, mesh=mesh, indices=tuple(sorted(indices)), rule=rule)
+        return TensorLayout.whole(shape)
+    return TensorLayout(shape=shape, dim=dim, mesh=mesh, indices=tuple(sorted(indices)), rule=rule)
 
 
 HOSTS = ["h0", "h1"]
@@ -84,9 +84,9 @@ def scenarios(draw):
     """Tensors; sources that together hold every part of each; receivers in other layouts."""
     names = draw(st.lists(st.sampled_from("abc"), min_size=1, max_size=3, unique=True))
     n_sources = draw(st.integers(1, 3))
-    source_layouts: list[dict[str, Layout]] = [{} for _ in range(n_sources)]
+    source_layouts: list[dict[str, TensorLayout]] = [{} for _ in range(n_sources)]
     n_receivers = draw(st.integers(1, 3))
-    receiver_layouts: list[dict[str, Layout]] = [{} for _ in range(n_receivers)]
+    receiver_layouts: list[dict[str, TensorLayout]] = [{} for _ in range(n_receivers)]
     tensor_shapes = {}
     for name in names:
         shape = draw(shapes)
@@ -186,9 +186,12 @@ def test_plans_reassemble_exactly_what_each_receiver_holds(scenario):
 
 def test_same_dim_meshes_refine_to_the_union_of_boundaries():
     shape = (12, 2)
-    two, three = Layout.sharded(shape, 0, 2, [0, 1]), Layout.sharded(shape, 0, 3, [0, 1, 2])
-    five = Layout.sharded(shape, 0, 5, [0, 1, 2, 3, 4])
-    slices = refine(Layout.whole(shape), [two, three, five])
+    two, three = (
+        TensorLayout.sharded(shape, 0, 2, [0, 1]),
+        TensorLayout.sharded(shape, 0, 3, [0, 1, 2]),
+    )
+    five = TensorLayout.sharded(shape, 0, 5, [0, 1, 2, 3, 4])
+    slices = refine(TensorLayout.whole(shape), [two, three, five])
     cuts = sorted(set(two.bounds()) | set(three.bounds()) | set(five.bounds()))
     assert [r[0] for r in slices] == list(zip(cuts, cuts[1:], strict=False))
     assert all(r[1] == (0, 2) for r in slices)
@@ -196,8 +199,8 @@ def test_same_dim_meshes_refine_to_the_union_of_boundaries():
 
 def test_different_dims_refine_to_the_product_grid():
     shape = (4, 6)
-    rows = Layout.sharded(shape, 0, 2, [0, 1])
-    cols = Layout.sharded(shape, 1, 3, [0, 1, 2])
+    rows = TensorLayout.sharded(shape, 0, 2, [0, 1])
+    cols = TensorLayout.sharded(shape, 1, 3, [0, 1, 2])
     slices = refine(rows, [cols])
     assert len(slices) == 2 * 3
     assert {r[0] for r in slices} == {(0, 2), (2, 4)}
@@ -206,7 +209,7 @@ def test_different_dims_refine_to_the_product_grid():
 
 def test_a_flat_range_is_cut_into_contiguous_boxes():
     shape = (3, 4)
-    layout = Layout.flat_range(shape, 2, [1], rule="balanced")  # elements 6..11
+    layout = TensorLayout.flat_range(shape, 2, [1], rule="balanced")  # elements 6..11
     boxes = layout.held_regions()
     assert boxes == [((1, 2), (2, 4)), ((2, 3), (0, 4))]
     assert sum(math.prod(b - a for a, b in box) for box in boxes) == 6
@@ -214,16 +217,16 @@ def test_a_flat_range_is_cut_into_contiguous_boxes():
 
 def test_refinement_keeps_only_what_the_receiver_holds():
     shape = (10,)
-    receiver = Layout.sharded(shape, 0, 2, [1])  # 5..10
-    slices = refine(receiver, [Layout.sharded(shape, 0, 3, [0, 1, 2])])  # cuts 4, 7
+    receiver = TensorLayout.sharded(shape, 0, 2, [1])  # 5..10
+    slices = refine(receiver, [TensorLayout.sharded(shape, 0, 3, [0, 1, 2])])  # cuts 4, 7
     assert slices == [((5, 7),), ((7, 10),)]
 
 
 # --- link preference and load balance ---------------------------------------------------
 
 
-def whole_state(n_tensors: int, numel: int) -> dict[str, Layout]:
-    return {f"t{i}": Layout.whole((numel,)) for i in range(n_tensors)}
+def whole_state(n_tensors: int, numel: int) -> dict[str, TensorLayout]:
+    return {f"t{i}": TensorLayout.whole((numel,)) for i in range(n_tensors)}
 
 
 def test_a_local_holder_beats_a_remote_one_whatever_its_load():
@@ -248,7 +251,9 @@ def test_intra_node_beats_inter_node():
 def test_equal_holders_share_the_load_by_accumulated_latency():
     # one big tensor then four quarter-sized ones: the big one goes to the first holder,
     # the other holder then takes small ones until its accumulated latency catches up
-    state = {"t0": Layout.whole((1000,))} | {f"t{i}": Layout.whole((250,)) for i in range(1, 5)}
+    state = {"t0": TensorLayout.whole((1000,))} | {
+        f"t{i}": TensorLayout.whole((250,)) for i in range(1, 5)
+    }
     a = Holder(name="a", host="h1", layouts=state)
     b = Holder(name="b", host="h1", layouts=state)
     receiver = Holder(name="r", host="h0", layouts=state)
@@ -262,9 +267,11 @@ def test_equal_holders_share_the_load_by_accumulated_latency():
 
 def test_slices_of_one_tensor_alternate_between_equal_holders():
     shape = (8, 4)
-    a = Holder(name="a", host="h1", layouts={"w": Layout.whole(shape)})
-    b = Holder(name="b", host="h1", layouts={"w": Layout.whole(shape)})
-    receiver = Holder(name="r", host="h0", layouts={"w": Layout.sharded(shape, 0, 4, range(4))})
+    a = Holder(name="a", host="h1", layouts={"w": TensorLayout.whole(shape)})
+    b = Holder(name="b", host="h1", layouts={"w": TensorLayout.whole(shape)})
+    receiver = Holder(
+        name="r", host="h0", layouts={"w": TensorLayout.sharded(shape, 0, 4, range(4))}
+    )
     plan = plan_transfers([a, b], [receiver], {"w": 2})
     assert [t.source for t in plan.for_receiver("r")] == ["a", "b", "a", "b"]
 
@@ -282,9 +289,9 @@ def test_latency_not_bytes_balances_the_load():
     # "a" sends 400 B over a slow remote link, "b" 800 B locally: by bytes "a" is the less
     # loaded, by estimated latency "b" is, and "b" gets the next remote demand
     state = {
-        "a_small": Layout.whole((100,)),
-        "b_big": Layout.whole((200,)),
-        "c": Layout.whole((10,)),
+        "a_small": TensorLayout.whole((100,)),
+        "b_big": TensorLayout.whole((200,)),
+        "c": TensorLayout.whole((10,)),
     }
     a = Holder(name="a", host="h0", layouts=state)
     b = Holder(name="b", host="h1", layouts=state)
@@ -352,41 +359,41 @@ def test_the_cache_evicts_the_least_recently_used_plan():
 )
 def test_bad_layouts_are_refused_with_a_reason(kwargs, message):
     with pytest.raises(LayoutError, match=re.escape(message)):
-        Layout(**kwargs)
+        TensorLayout(**kwargs)
 
 
 def test_a_decoded_layout_is_validated_too():
     raw = {"shape": [4], "dim": 0, "mesh": 2, "indices": [5]}
     with pytest.raises(msgspec.ValidationError, match="out of range"):
-        msgspec.convert(raw, Layout)
-    assert msgspec.convert({"shape": [4], "dim": "flat", "mesh": 2, "indices": [1]}, Layout) == (
-        Layout(shape=(4,), dim=FLAT, mesh=2, indices=(1,))
-    )
+        msgspec.convert(raw, TensorLayout)
+    assert msgspec.convert(
+        {"shape": [4], "dim": "flat", "mesh": 2, "indices": [1]}, TensorLayout
+    ) == (TensorLayout(shape=(4,), dim=FLAT, mesh=2, indices=(1,)))
 
 
 def test_shape_mismatch_is_named():
-    s = Holder(name="store", host="h", layouts={"w": Layout.whole((4, 8))})
-    r = Holder(name="replica-0", host="h", layouts={"w": Layout.whole((4, 9))})
+    s = Holder(name="store", host="h", layouts={"w": TensorLayout.whole((4, 8))})
+    r = Holder(name="replica-0", host="h", layouts={"w": TensorLayout.whole((4, 9))})
     with pytest.raises(LayoutError, match=r"'w': shape mismatch: \(4, 8\) at 'store' but"):
         plan_transfers([s], [r], {"w": 4})
 
 
 def test_missing_tensor_is_named():
-    s = Holder(name="store", host="h", layouts={"w": Layout.whole((4,))})
-    r = Holder(name="r", host="h", layouts={"bias": Layout.whole((4,))})
+    s = Holder(name="store", host="h", layouts={"w": TensorLayout.whole((4,))})
+    r = Holder(name="r", host="h", layouts={"bias": TensorLayout.whole((4,))})
     with pytest.raises(LayoutError, match=r"'bias' needed by \['r'\] is held by no source"):
         plan_transfers([s], [r], {"w": 4, "bias": 4})
 
 
 def test_a_region_no_source_holds_is_named():
-    s = Holder(name="s", host="h", layouts={"w": Layout.sharded((4,), 0, 2, [0])})
-    r = Holder(name="r", host="h", layouts={"w": Layout.whole((4,))})
+    s = Holder(name="s", host="h", layouts={"w": TensorLayout.sharded((4,), 0, 2, [0])})
+    r = Holder(name="r", host="h", layouts={"w": TensorLayout.whole((4,))})
     with pytest.raises(LayoutError, match=r"region \(\(2, 4\),\) needed by 'r'"):
         plan_transfers([s], [r], {"w": 4})
 
 
 def test_duplicate_names_and_missing_itemsize_are_refused():
-    w = {"w": Layout.whole((4,))}
+    w = {"w": TensorLayout.whole((4,))}
     with pytest.raises(LayoutError, match="two sources are named 's'"):
         plan_transfers([Holder(name="s", host="h", layouts=w)] * 2, [], {"w": 4})
     with pytest.raises(LayoutError, match="no positive itemsize"):

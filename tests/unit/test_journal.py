@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from pivot.actors.journal import Journal
 from pivot.cluster import Move, Role
 from pivot.journal import HEADER, JournalError, decode_records, encode_record
-from pivot.planner import ShiftPlan
+from pivot.planning.plans import ShiftPlan
 from pivot.shift import Phase, PhaseReached, ShiftPlanned, ShiftRecord
 
 values = st.one_of(

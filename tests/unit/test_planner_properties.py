@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from planner_cases import MODELS, cluster
 
 from pivot.cluster import INFERENCE_ROLES, Role, other_inference_role
-from pivot.planner import PlannerSettings, plan_shift
-from pivot.queue import Owner, SequenceLedger
-from pivot.snapshot import (
+from pivot.planning.planner import PlannerSettings, plan_shift
+from pivot.planning.queue import Owner, SequenceLedger
+from pivot.planning.snapshot import (
     ClusterSnapshot,
     QueueState,
     ReplicaState,

@@ -9,8 +9,9 @@ import pytest
 from planner_cases import MODELS, cluster, replica, snapshot, training
 
 from pivot.cluster import ClusterError, Role
-from pivot.planner import Decision, Planner, PlannerSettings, plan_shift
-from pivot.snapshot import ReplicaState, SnapshotError, TrainerPhase, validate_snapshot
+from pivot.planning.planner import Planner, PlannerSettings, plan_shift
+from pivot.planning.plans import Decision
+from pivot.planning.snapshot import ReplicaState, SnapshotError, TrainerPhase, validate_snapshot
 
 SPEC = cluster()
 

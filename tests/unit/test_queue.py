@@ -3,7 +3,7 @@
 import pytest
 
 from pivot.cluster import Role
-from pivot.queue import DONE, Owner, OwnershipError, Sequence, SequenceLedger, WaitingQueue
+from pivot.planning.queue import DONE, Owner, OwnershipError, Sequence, SequenceLedger, WaitingQueue
 
 
 def seq(i, prompt=100, generated=0):

@@ -7,9 +7,9 @@ from hypothesis import strategies as st
 from planner_cases import REWARD_MODEL, ROLLOUT_MODEL
 
 from pivot.cluster import Role
-from pivot.cost import CostModel
-from pivot.queue import Owner, OwnershipError, Sequence, SequenceLedger
-from pivot.routing import (
+from pivot.planning.cost import CostModel
+from pivot.planning.queue import Owner, OwnershipError, Sequence, SequenceLedger
+from pivot.planning.routing import (
     LowestItlRouter,
     RoleScheduler,
     RoundRobinRouter,

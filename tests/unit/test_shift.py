@@ -14,13 +14,13 @@ from pivot.cluster import (
     Allocation,
     ClusterConfig,
     ClusterSpec,
-    Layout,
     Move,
     Replica,
+    ReplicaLayout,
     Role,
     RoleSpec,
 )
-from pivot.planner import Migration, ShiftPlan
+from pivot.planning.plans import SequenceMigration, ShiftPlan
 from pivot.shift import (
     AcquireDevice,
     AgentView,
@@ -54,7 +54,7 @@ def spec(reward_tp: int = 1, trainer_hosts: int = 0) -> ClusterSpec:
             devices_per_host=2,
             trainer_hosts=trainer_hosts,
             rollout=RoleSpec(model="policy"),
-            reward=RoleSpec(model="genrm", layout=Layout(tp=reward_tp)),
+            reward=RoleSpec(model="genrm", layout=ReplicaLayout(tp=reward_tp)),
         )
     )
 
@@ -77,9 +77,9 @@ SHIFT = ShiftPlan(
         wake("reward@2", W, 2),
     ),
     migrations=(
-        Migration(5, "rollout@1", None),
-        Migration(9, "reward@3", "reward@1"),
-        Migration(10, "reward@3", "reward@2"),
+        SequenceMigration(5, "rollout@1", None),
+        SequenceMigration(9, "reward@3", "reward@1"),
+        SequenceMigration(10, "reward@3", "reward@2"),
     ),
 )
 
@@ -618,9 +618,9 @@ def test_a_crash_anywhere_recovers_to_a_consistent_allocation(case):
 
 
 def test_recover_lists_the_shifts_done_for_a_restarted_planner():
-    from pivot.cost import CostModel
-    from pivot.planner import Planner, PlannerSettings
-    from pivot.shift import DoneShift
+    from pivot.planning.cost import CostModel
+    from pivot.planning.planner import Planner, PlannerSettings
+    from pivot.planning.plans import DoneShift
 
     first, p1 = ShiftTransaction.begin(1, SHIFT, at=10.0)
     lend_plan = ShiftPlan(

@@ -7,15 +7,14 @@ import random
 
 import pytest
 
-from pivot.cost import CostModel
-from pivot.engine import (
+from pivot.engines.protocol import (
     DuplicateSequence,
     EngineNotServing,
     FinishReason,
     InferenceEngine,
     SamplingParams,
 )
-from pivot.sim_engine import (
+from pivot.engines.sim_engine import (
     DUMMY_TOKEN,
     Hardware,
     Placeholders,
@@ -27,6 +26,7 @@ from pivot.sim_engine import (
     TrainerCosts,
     sim_sampling,
 )
+from pivot.planning.cost import CostModel
 
 # ITL = 0.001*tokens + max(0.01, 0.004*running) + 0.002; prefill at 1000 tokens/s
 HAND = CostModel(a=0.001, b=0.01, c=0.004, d=0.002)

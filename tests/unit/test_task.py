@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pivot import task
-from pivot.tokenizer import ALPHABET
+from pivot.engines.tokenizer import ALPHABET
 
 
 def test_problems_are_seeded_and_well_formed():

@@ -8,12 +8,13 @@ import json
 import pytest
 import torch
 
-from pivot import task, tinymodels
-from pivot.engine import SamplingParams
-from pivot.tokenizer import ALPHABET, TextCodec, build_tokenizer, save_pretrained
-from pivot.torch_engine import TorchEngine, generate
+from pivot import assets, task
+from pivot.cli import tinymodels
+from pivot.engines.protocol import SamplingParams
+from pivot.engines.tokenizer import ALPHABET, TextCodec, build_tokenizer, save_pretrained
+from pivot.engines.torch_engine import TorchEngine, generate
 
-ASSETS = tinymodels.ASSETS
+ASSETS = assets.ASSETS
 POLICY = ASSETS / tinymodels.POLICY_DIR
 GENRM = ASSETS / tinymodels.GENRM_DIR
 

@@ -4,7 +4,7 @@ abort + re-dispatch, seeded sampling, finish rules, release/resume of context, v
 import pytest
 import torch
 
-from pivot.engine import (
+from pivot.engines.protocol import (
     ContextKind,
     DuplicateSequence,
     EngineNotServing,
@@ -12,7 +12,7 @@ from pivot.engine import (
     InferenceEngine,
     SamplingParams,
 )
-from pivot.torch_engine import Qwen2Spec, TorchEngine, generate, read_checkpoint
+from pivot.engines.torch_engine import Qwen2Spec, TorchEngine, generate, read_checkpoint
 
 VOCAB = 40
 EOS = 2

@@ -11,7 +11,7 @@ import pytest
 
 from pivot.cluster import Role
 from pivot.config import ConfigError
-from pivot.sim_engine import sim_sampling
+from pivot.engines.sim_engine import sim_sampling
 from pivot.workload import load_workload, load_workloads
 
 ROOT = Path(__file__).resolve().parents[2]

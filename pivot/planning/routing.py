@@ -29,8 +29,8 @@ import numpy as np
 
 from pivot.cluster import Role
 from pivot.config import ConfigStruct
-from pivot.cost import CostModel
-from pivot.queue import Owner, Sequence, SequenceLedger, WaitingQueue
+from pivot.planning.cost import CostModel
+from pivot.planning.queue import Owner, Sequence, SequenceLedger, WaitingQueue
 
 RouterPolicy = Literal["throughput_optimal", "lowest_itl", "round_robin"]
 

@@ -9,9 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from pivot.cluster import INFERENCE_ROLES, ClusterSpec, Move, Role, other_inference_role
-from pivot.planner import TRAINER_ID, Decision, ShiftPlan
-from pivot.shift import DoneShift
-from pivot.snapshot import ClusterSnapshot, TrainerPhase
+from pivot.planning.plans import TRAINER_ID, Decision, DoneShift, ShiftPlan
+from pivot.planning.snapshot import ClusterSnapshot, TrainerPhase
 
 
 class StagePolicy:

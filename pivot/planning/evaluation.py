@@ -35,9 +35,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from pivot.cluster import Role
-from pivot.cost import CostModel
-from pivot.routing import Router
-from pivot.snapshot import QueueState, ReplicaState
+from pivot.planning.cost import CostModel
+from pivot.planning.routing import Router
+from pivot.planning.snapshot import QueueState, ReplicaState
 
 
 @dataclass(slots=True)

@@ -3,7 +3,7 @@ Hugging Face format (tokenizer.json + tokenizer_config.json), so that
 ``AutoTokenizer.from_pretrained(dir)`` loads it like any checkpoint's tokenizer.
 
 One token per character of a fixed alphabet, plus four special tokens. The tiny models that
-``pivot.tinymodels`` makes use it; ``TextCodec`` is the light wrapper the rest of pivot uses to
+``pivot.cli.tinymodels`` makes use it; ``TextCodec`` is the light wrapper the rest of pivot uses to
 turn task text into token ids and back without importing transformers.
 """
 

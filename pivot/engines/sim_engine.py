@@ -1,7 +1,7 @@
 """Simulated engines in virtual time: an inference replica, a trainer, and the cost of shifting a
 device group between roles. These are what ``pivot simulate`` runs the real actors on.
 
-``SimInferenceEngine`` implements ``pivot.engine.InferenceEngine``. It holds no tokens, only
+``SimInferenceEngine`` implements ``pivot.engines.protocol.InferenceEngine``. It holds no tokens, only
 counts: every running sequence gains one (dummy) token per step, and a step reports what it
 would cost on the replica in ``StepOutput.cost_s``: the decode inter-token latency from the cost
 model, ``ITL(running, tokens)``, plus the prefill of the sequences admitted in that step at a
@@ -48,8 +48,7 @@ from typing import Annotated
 import msgspec
 
 from pivot.config import ConfigStruct
-from pivot.cost import ITL_FLOOR_S, CostModel
-from pivot.engine import (
+from pivot.engines.protocol import (
     ContextKind,
     DuplicateSequence,
     EngineError,
@@ -65,6 +64,7 @@ from pivot.engine import (
     TokenEvent,
     as_context_kinds,
 )
+from pivot.planning.cost import ITL_FLOOR_S, CostModel
 
 DUMMY_TOKEN = 0  # the id of every token a simulated engine generates
 DUMMY_LOGPROB = 0.0

@@ -1,5 +1,5 @@
 """The torch inference backend (CPU): a pure-torch Qwen2 forward with a preallocated KV cache
-and continuous batching, behind the ``pivot.engine.InferenceEngine`` protocol.
+and continuous batching, behind the ``pivot.engines.protocol.InferenceEngine`` protocol.
 
 It reads a Hugging Face checkpoint folder itself (config.json + safetensors), so a user's
 local Qwen2 checkpoint and the project's tiny models take the same path, without importing
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from pivot.engine import (
+from pivot.engines.protocol import (
     ContextKind,
     DuplicateSequence,
     EngineNotServing,

@@ -1,5 +1,5 @@
 """The seeded maker of the project's two tiny models: the policy and the GenRM of the task in
-``pivot.task``. Run ``python -m pivot.tinymodels --out DIR [--seed S]``.
+``pivot.task``. Run ``python -m pivot.cli.tinymodels --out DIR [--seed S]``.
 
 Both are Qwen2 models (``Qwen2ForCausalLM``) with the project's character tokenizer, saved
 with ``save_pretrained`` (config.json, safetensors, tokenizer files), so they load with
@@ -34,9 +34,9 @@ import torch
 import torch.nn.functional as F
 
 from pivot import task
-from pivot.engine import SamplingParams
-from pivot.tokenizer import ALPHABET, TextCodec, build_tokenizer, save_pretrained
-from pivot.torch_engine import Qwen2Spec, TorchEngine, generate
+from pivot.engines.protocol import SamplingParams
+from pivot.engines.tokenizer import ALPHABET, TextCodec, build_tokenizer, save_pretrained
+from pivot.engines.torch_engine import Qwen2Spec, TorchEngine, generate
 
 # (prompt ids, target ids, loss weight per target token)
 Example = tuple[list[int], list[int], list[float]]
@@ -44,7 +44,6 @@ Example = tuple[list[int], list[int], list[float]]
 POLICY_DIR = "tiny-policy"
 GENRM_DIR = "tiny-genrm"
 REPORT = "models.json"
-ASSETS = Path(__file__).parent / "assets"
 
 # fixed evaluation sets: the maker records its numbers on these, the tests recompute them
 EVAL_SEED = 424242
@@ -446,7 +445,7 @@ def make_models(
             "bytes": _folder_bytes(folder),
         }
     report = {
-        "maker": "python -m pivot.tinymodels",
+        "maker": "python -m pivot.cli.tinymodels",
         "seed": seed,
         "threads": threads,
         "task": {"digits": task.DIGITS, "eval_seed": EVAL_SEED, "eval_size": eval_size},
@@ -493,10 +492,10 @@ def _readme(report: dict) -> str:
     policy, genrm = report["policy"], report["genrm"]
     return f"""# pivot's tiny models
 
-Made by `python -m pivot.tinymodels --out DIR --seed {report["seed"]} --threads \
+Made by `python -m pivot.cli.tinymodels --out DIR --seed {report["seed"]} --threads \
 {report["threads"]}` in {report["wall_seconds"]} s ({report["cpu_seconds"]} s of CPU);
 nothing downloaded. Qwen2 (`Qwen2ForCausalLM`), fp32 safetensors, the project's character
-tokenizer (`pivot.tokenizer`). Task: `pivot.task` (two-digit addition with a scratchpad).
+tokenizer (`pivot.engines.tokenizer`). Task: `pivot.task` (two-digit addition with a scratchpad).
 Full numbers: `{REPORT}`.
 
 | model | parameters | bytes | SFT steps | evaluation (fixed set, seed {EVAL_SEED}) |
@@ -522,7 +521,7 @@ def _transformers_version() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m pivot.tinymodels", description="Make pivot's tiny policy and GenRM."
+        prog="python -m pivot.cli.tinymodels", description="Make pivot's tiny policy and GenRM."
     )
     parser.add_argument("--out", required=True, help="folder to write the models into")
     parser.add_argument("--seed", type=int, default=0)

@@ -20,7 +20,7 @@ from typing import Annotated
 import msgspec
 import numpy as np
 
-from pivot.cluster import Layout
+from pivot.cluster import ReplicaLayout
 from pivot.config import ConfigError, ConfigStruct, load_toml
 
 ITL_FLOOR_S = 1e-9
@@ -114,7 +114,7 @@ class CostModelFile(ConfigStruct, kw_only=True):
     derivation: str = ""
     layouts: dict[str, LayoutFit]
 
-    def for_layout(self, layout: Layout, source: str = "<cost model>") -> CostModel:
+    def for_layout(self, layout: ReplicaLayout, source: str = "<cost model>") -> CostModel:
         fit = self.layouts.get(layout.key)
         if fit is None:
             have = ", ".join(sorted(self.layouts)) or "none"
@@ -143,7 +143,7 @@ def load_cost_models(directory: str | Path) -> dict[str, CostModelFile]:
     return files
 
 
-def cost_model_for(directory: str | Path, model: str, layout: Layout) -> CostModel:
+def cost_model_for(directory: str | Path, model: str, layout: ReplicaLayout) -> CostModel:
     files = load_cost_models(directory)
     if model not in files:
         have = ", ".join(sorted(files)) or "none"

@@ -23,24 +23,35 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Annotated, Literal, Protocol
+from typing import Annotated, Literal
 
 import msgspec
 import numpy as np
 
-from pivot.candidates import BLOCKED, FREE, CandidatePlan, best_plans, wake_groups
 from pivot.cluster import INFERENCE_ROLES, ClusterSpec, Move, Role, other_inference_role
 from pivot.config import ConfigStruct
-from pivot.cost import CostModel
-from pivot.evaluation import RoleLoad, RoleOutcome, build_role_load, objective, simulate_role
-from pivot.routing import REWARD_ROUTER, ROLLOUT_ROUTER, RouterSettings, make_router
-from pivot.snapshot import ClusterSnapshot, ReplicaState, SnapshotError, TrainerPhase
-
-if TYPE_CHECKING:  # pivot.shift imports this module
-    from pivot.shift import DoneShift
+from pivot.planning.candidates import BLOCKED, FREE, CandidatePlan, best_plans, wake_groups
+from pivot.planning.cost import CostModel
+from pivot.planning.evaluation import (
+    RoleLoad,
+    RoleOutcome,
+    build_role_load,
+    objective,
+    simulate_role,
+)
+from pivot.planning.plans import (
+    TRAINER_ID,
+    CandidateScore,
+    Decision,
+    DoneShift,
+    PhaseTimings,
+    SequenceMigration,
+    ShiftPlan,
+)
+from pivot.planning.routing import REWARD_ROUTER, ROLLOUT_ROUTER, RouterSettings, make_router
+from pivot.planning.snapshot import ClusterSnapshot, ReplicaState, SnapshotError, TrainerPhase
 
 NonNegative = Annotated[float, msgspec.Meta(ge=0.0)]
-TRAINER_ID = "trainer"
 _CODE = {role: i for i, role in enumerate(Role)}
 
 
@@ -62,72 +73,6 @@ class PlannerSettings(ConfigStruct, kw_only=True):
     # rule-based policy: KV-cache pressure thresholds
     kv_high: Annotated[float, msgspec.Meta(gt=0.0)] = 0.8
     kv_low: NonNegative = 0.1
-
-
-class PhaseTimings(msgspec.Struct, frozen=True):
-    preprocess_s: float = 0.0  # state analysis: arrays, baseline, bottleneck
-    construction_s: float = 0.0  # slots, groups, one plan per count
-    simulation_s: float = 0.0  # request-level evaluation of every candidate
-    total_s: float = 0.0
-
-
-class Migration(msgspec.Struct, frozen=True):
-    """Abort ``seq_id`` on ``source``; dispatch it to ``target``, or to the queue when None."""
-
-    seq_id: int
-    source: str
-    target: str | None
-
-
-class ShiftPlan(msgspec.Struct, frozen=True, kw_only=True):
-    kind: Literal["shift", "lend_trainer", "reclaim_trainer"]
-    receiver: Role  # the role that gains devices (FREE when the trainer lends its pool)
-    moves: tuple[Move, ...]  # evictions first, then wakes
-    migrations: tuple[Migration, ...] = ()
-    delta_throughput: float = 0.0  # tokens/s, objective after - before
-    phi: float = 0.0  # tokens lost while the victims' sequences migrate
-    expected_gain: float = 0.0  # L = H*dT - Phi (tokens)
-    objective_before: float = 0.0
-    objective_after: float = 0.0
-
-    @property
-    def evictions(self) -> tuple[Move, ...]:
-        return tuple(m for m in self.moves if m.kind == "evict")
-
-    @property
-    def wakes(self) -> tuple[Move, ...]:
-        return tuple(m for m in self.moves if m.kind == "wake")
-
-
-class CandidateScore(msgspec.Struct, frozen=True):
-    receiver: Role
-    wakes: int
-    victims: int
-    delta_throughput: float
-    phi: float
-    score: float  # L
-
-
-class Decision(msgspec.Struct, frozen=True, kw_only=True):
-    plan: ShiftPlan | None
-    reason: str
-    bottleneck: tuple[Role, ...] = ()
-    objective: float = 0.0
-    candidates: tuple[CandidateScore, ...] = ()
-    timings: PhaseTimings = PhaseTimings()
-
-
-class ShiftPolicy(Protocol):
-    """What the Controller asks each tick: the ``Planner``, or a time-sharing baseline's
-    ``pivot.staging.StagePolicy``."""
-
-    def decide(self, snapshot: ClusterSnapshot) -> Decision: ...
-
-    def record_shift_time(self, seconds: float) -> None: ...
-
-    def resume(self, done: Sequence[DoneShift]) -> None:
-        """After a restart: the state the journaled shifts leave (see ``Planner.resume``)."""
-        ...
 
 
 class _Phases:
@@ -154,8 +99,8 @@ def _evict(replica: ReplicaState) -> Move:
     return Move("evict", replica.id, replica.role, replica.devices)
 
 
-def _to_queue(replicas: list[ReplicaState]) -> tuple[Migration, ...]:
-    return tuple(Migration(s, r.id, None) for r in replicas for s in r.seq_ids)
+def _to_queue(replicas: list[ReplicaState]) -> tuple[SequenceMigration, ...]:
+    return tuple(SequenceMigration(s, r.id, None) for r in replicas for s in r.seq_ids)
 
 
 def _itl_of(replica: ReplicaState, model: CostModel) -> float:
@@ -466,19 +411,19 @@ def _shift_plan(
 
 def _rebalance_moves(
     load: RoleLoad, new_ids: list[str], routed: np.ndarray, final: np.ndarray
-) -> list[Migration]:
+) -> list[SequenceMigration]:
     """Shortest running sequences of the replicas that lose load go to those that gain it."""
     ids = [r.id for r in load.replicas] + new_ids
     change = (final - routed)[: len(ids)]  # rows past these belong to no replica here
     takers = [(ids[i], int(n)) for i, n in enumerate(change) if n > 0]
-    out: list[Migration] = []
+    out: list[SequenceMigration] = []
     slot = 0
     for i in np.flatnonzero(change < 0).tolist():
         replica = load.replicas[i]
         order = np.argsort(np.asarray(replica.seq_tokens), kind="stable")[: int(-change[i])]
         for k in order.tolist():
             name, room = takers[slot]
-            out.append(Migration(replica.seq_ids[k], replica.id, name))
+            out.append(SequenceMigration(replica.seq_ids[k], replica.id, name))
             takers[slot] = (name, room - 1)
             if room == 1:
                 slot += 1
