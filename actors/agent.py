@@ -27,20 +27,26 @@ way, so no engine is ever rebuilt. The Controller drives the change (all idempot
 
     RoleAgent(name, bus, *, engine=None, role="free", scheduler=None, replica=None,
               engines=None, weights=None, models=None, device=None, devices=None,
-              report_timeout=30.0, step_in_thread=True, pace_steps=False,
-              fast_forward=False, shift_seconds=None)
+              report_timeout=30.0, stepping=None)
     CheckpointWeights(folder)            WeightLoader: a Hugging Face checkpoint folder
     StoreWeights(store, like)            WeightLoader: newest version in a GPS host store
 
-Simulated engines (``pivot.engines.sim_engine``) run on the virtual clock: ``pace_steps`` sleeps each
-step's reported cost. ``fast_forward`` goes further for an engine with ``next_event()`` and a
-multi-iteration ``step(max_tokens=None, max_cost_s=...)``: the agent sleeps until the engine's
-next event (a sequence finishes, the KV cache fills) and runs all the iterations up to it in one
-call, so a replica costs one call per event instead of one per token. An Assign, Abort or
-Evacuate that arrives meanwhile first runs the iterations that started before it (the engine is
-never ahead of the clock when its sequences change), then the agent plans the next segment.
-``shift_seconds(action, role)`` prices the agent's part of a shift in clock time (actions:
-evacuate, release, acquire, register); None: shifts cost nothing but their messages.
+How the agent steps its engine is one strategy object (``stepping``):
+
+* ``Threaded()`` (the default): a real engine computes for milliseconds per step, so steps
+  and weight reads run in a worker thread and the agent keeps answering meanwhile.
+* ``Inline(pace=False)``: steps on the loop (a simulated engine costs no compute); ``pace``
+  sleeps each step's reported cost on the (virtual) clock.
+* ``FastForward()``: for an engine with ``next_event()`` and a multi-iteration
+  ``step(max_tokens=None, max_cost_s=...)`` (``pivot.engines.sim_engine``): the agent sleeps
+  until the engine's next event (a sequence finishes, the KV cache fills) and runs all the
+  iterations up to it in one call, so a replica costs one call per event instead of one per
+  token. An Assign, Abort or Evacuate that arrives meanwhile first runs the iterations that
+  started before it (the engine is never ahead of the clock when its sequences change), then
+  the agent plans the next segment.
+
+The virtual-time strategies take ``shift_cost(action, role)``, the clock time the agent's part
+of a shift costs (actions: evacuate, release, acquire, register); None: nothing but messages.
 """
 
 from __future__ import annotations
@@ -62,7 +68,6 @@ from pivot.actors.messages import (
     RegisterReplica,
     ReplicaLoad,
     copy_ids,
-    rl_messages,
 )
 from pivot.actors.shift_messages import (
     Acquire,
@@ -73,6 +78,7 @@ from pivot.actors.shift_messages import (
     Register,
     Release,
 )
+from pivot.actors.vocabulary import LOAD_TOPIC, rl_messages
 from pivot.bus import Actor, Bus, BusError, Directory, handles
 from pivot.cluster import INFERENCE_ROLES, Role
 from pivot.engines.protocol import ContextKind, InferenceEngine, NamedTensors
@@ -165,10 +171,7 @@ class RoleAgent(Actor):
         device: int | None = None,
         devices: Sequence[int] | None = None,
         report_timeout: float = 30.0,
-        step_in_thread: bool = True,
-        pace_steps: bool = False,
-        fast_forward: bool = False,
-        shift_seconds: Callable[[str, Role], float] | None = None,
+        stepping: Stepping | None = None,
     ) -> None:
         super().__init__(name, bus)
         self.role = Role(role)
@@ -193,19 +196,7 @@ class RoleAgent(Actor):
             self.engines.get(self.role) if self._leads(self.devices) else None
         )
         self.report_timeout = report_timeout
-        # a real engine computes for milliseconds per step: off the loop, so requests are
-        # answered meanwhile; a simulated one costs no compute and must stay on the loop
-        self.step_in_thread = step_in_thread
-        # a simulated engine's step costs its reported latency in (virtual) time
-        self.pace_steps = pace_steps
-        self.fast_forward = fast_forward
-        self.shift_seconds = shift_seconds
-        # fast forward: the engine time at which the segment in flight began (None: no segment
-        # in flight), and the engine time up to which its iterations have run
-        self._segment_start: float | None = None
-        self._engine_free_at = 0.0
-        # what the run loop awaits until the segment's end; a handler settling it wakes it early
-        self._wake: asyncio.Future[None] | None = None
+        self.stepping: Stepping = stepping if stepping is not None else Threaded()
         self._engine_lock = asyncio.Lock()
         self._report_lock = asyncio.Lock()
         # one role change at a time: a repeated Acquire (a restarted Controller) waits for the
@@ -256,7 +247,7 @@ class RoleAgent(Actor):
             )
         await self._catch_up(max((w.policy_version for w in msg.sequences), default=0))
         async with self._engine_lock:
-            self._settle()
+            self.stepping.settle(self)
             for work in msg.sequences:
                 self.engine.add(
                     work.seq_id,
@@ -278,10 +269,7 @@ class RoleAgent(Actor):
         if engine is None or loader is None or engine.stats().weights_version >= version:
             return
         model = self.models.get(self.role, "")
-        if self.step_in_thread:
-            tensors, got = await asyncio.to_thread(loader, model, version)
-        else:
-            tensors, got = loader(model, version)
+        tensors, got = await self.stepping.call(loader, model, version)
         async with self._engine_lock:
             engine.load_weights(tensors, got)
         self.log.info("weights updated", role=self.role.value, version=got)
@@ -291,7 +279,7 @@ class RoleAgent(Actor):
         if self.engine is None:
             return Aborted(partials=[])
         async with self._engine_lock:
-            self._settle()
+            self.stepping.settle(self)
             partials = self.engine.abort(msg.seq_ids)
             for p in partials:
                 self._held.discard(int(p.seq_id))
@@ -331,11 +319,11 @@ class RoleAgent(Actor):
         if msg.replica != self.replica or self.engine is None:
             return Evacuated(replica=msg.replica)
         self._accepting = False
-        await self._pause("evacuate", self.role)
+        await self.stepping.pause(self, "evacuate", self.role)
         # a report in flight is answered before the scheduler hears what is left here
         async with self._report_lock:
             async with self._engine_lock:
-                self._settle()
+                self.stepping.settle(self)
                 partials = self.engine.abort(None)
                 self._held.clear()
                 self._reprefilling.clear()
@@ -356,9 +344,9 @@ class RoleAgent(Actor):
         if msg.replica != self.replica or self.role is Role.FREE:
             return self.state()
         if self._leads(self.devices):
-            await self._pause("release", self.role)
+            await self.stepping.pause(self, "release", self.role)
         async with self._engine_lock:
-            self._settle()
+            self.stepping.settle(self)
             engine = self.engine
             if engine is not None:
                 stats = engine.stats()
@@ -371,7 +359,7 @@ class RoleAgent(Actor):
                 engine.release(msg.kinds)
             self._accepting = False
             self.engine = None
-            self._engine_free_at = 0.0  # the next engine's time starts from the clock
+            self.stepping.reset()  # the next engine's time starts from the clock
             self.role = Role.FREE
             self.replica = None
             self.devices = ()
@@ -407,7 +395,7 @@ class RoleAgent(Actor):
                     f"agent {self.name!r} serves model {known!r} for {msg.role.value}, "
                     f"not {msg.model!r}"
                 )
-            await self._pause("acquire", msg.role)
+            await self.stepping.pause(self, "acquire", msg.role)
             async with self._engine_lock:
                 await self._load(engine, msg)
         elif msg.role is Role.FREE:
@@ -427,10 +415,7 @@ class RoleAgent(Actor):
         if loader is None:
             return  # the engine keeps the weights it was built with (tests, simulation)
         try:
-            if self.step_in_thread:
-                tensors, version = await asyncio.to_thread(loader, msg.model, msg.min_version)
-            else:
-                tensors, version = loader(msg.model, msg.min_version)
+            tensors, version = await self.stepping.call(loader, msg.model, msg.min_version)
             engine.load_weights(tensors, version)
         except BaseException:
             engine.release(SHIFT_CONTEXT)  # back to what a free device holds
@@ -448,7 +433,7 @@ class RoleAgent(Actor):
         if self.scheduler is None:
             raise ShiftRefused(f"agent {self.name!r} knows no scheduler for {msg.replica!r}")
         if not self._accepting:  # a repeated Register costs nothing more
-            await self._pause("register", self.role)
+            await self.stepping.pause(self, "register", self.role)
         await self._register()
         self._work.set()
         return self.state()
@@ -465,77 +450,9 @@ class RoleAgent(Actor):
                 await self._work.wait()
                 continue
             if busy:
-                if self.fast_forward:
-                    await self._advance(engine)
-                else:
-                    await self._step(engine)
+                await self.stepping.turn(self, engine)
             if self._unreported:
                 await self._report()
-
-    async def _step(self, engine: InferenceEngine) -> None:
-        async with self._engine_lock:
-            if engine is not self.engine or not engine.has_unfinished():
-                return  # released or evacuated while we waited for the lock
-            if self.step_in_thread:
-                out = await asyncio.to_thread(engine.step)
-            else:
-                out = engine.step()
-                await self.clock.sleep(0)
-            self._collect(out)
-        stats = engine.stats()
-        await self._publish_load(stats)
-        if self.pace_steps and stats.last_step_s > 0:
-            await self.clock.sleep(stats.last_step_s)
-
-    # --- fast forward (simulated engines) ---------------------------------------------------
-
-    async def _advance(self, engine: Any) -> None:
-        """Sleep until the engine's next event, then run every iteration up to it in one call,
-        unless a handler settled the segment first (see ``_settle``)."""
-        async with self._engine_lock:
-            if engine is not self.engine or not engine.has_unfinished():
-                return
-            iterations, cost = engine.next_event()
-            if iterations == 0:
-                raise RuntimeError(f"agent {self.name!r}: the engine holds work it cannot run")
-            start = max(self.clock.now(), self._engine_free_at)
-            self._segment_start = start
-        delay = start + cost - self.clock.now()
-        if delay > 0:
-            # one future and one timer a segment: a timeout around an Event would cancel the
-            # task at every segment's end, and a replica runs thousands of segments
-            loop = asyncio.get_running_loop()
-            self._wake = wake = loop.create_future()
-            timer = loop.call_at(loop.time() + delay, _wake_up, wake)
-            try:
-                await wake
-            finally:
-                timer.cancel()
-                self._wake = None
-        async with self._engine_lock:
-            if self._segment_start != start or engine is not self.engine:
-                return  # settled by a handler: plan the next segment from the engine as it is
-            self._segment_start = None
-            out = engine.step(max_tokens=None)
-            self._engine_free_at = start + out.cost_s
-            self._collect(out)
-        await self._publish_load(engine.stats())
-
-    def _settle(self) -> None:
-        """Before a handler changes the engine (under the engine lock): run the iterations of
-        the segment in flight that started by now, and make the run loop plan again."""
-        start = self._segment_start
-        if start is None:
-            return
-        self._segment_start = None
-        _wake_up(self._wake)
-        engine = self.engine
-        elapsed = self.clock.now() - start
-        if elapsed <= 0 or engine is None or not engine.has_unfinished():
-            return
-        out = engine.step(max_tokens=None, max_cost_s=elapsed)  # type: ignore[call-arg]
-        self._engine_free_at = start + out.cost_s
-        self._collect(out)
 
     def _collect(self, out: Any) -> None:
         if self._reprefilling:
@@ -554,13 +471,6 @@ class RoleAgent(Actor):
             )
             for f in out.finished
         )
-
-    async def _pause(self, action: str, role: Role) -> None:
-        """The agent's part of a shift takes time (simulation: ``shift_seconds``)."""
-        if self.shift_seconds is not None:
-            seconds = self.shift_seconds(action, role)
-            if seconds > 0:
-                await self.clock.sleep(seconds)
 
     async def _report(self) -> None:
         async with self._report_lock:
@@ -582,7 +492,7 @@ class RoleAgent(Actor):
 
     async def _publish_load(self, stats) -> None:  # noqa: ANN001 - EngineStats
         await self.publish(
-            "load",
+            LOAD_TOPIC,
             ReplicaLoad(
                 replica=self.replica or "",
                 role=self.role.value,
@@ -592,6 +502,168 @@ class RoleAgent(Actor):
                 generated_tokens=stats.generated_tokens,
             ),
         )
+
+
+# --- stepping strategies ----------------------------------------------------------------------
+
+ShiftCost = Callable[[str, Role], float]
+
+
+class Stepping(Protocol):
+    """How an agent runs its engine: where blocking engine work runs, one turn of the run
+    loop while the engine has work, and what the agent's part of a shift costs."""
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run blocking engine work (a weights read)."""
+        ...
+
+    async def turn(self, agent: RoleAgent, engine: InferenceEngine) -> None:
+        """Advance ``engine`` (the agent's) and collect what finished."""
+        ...
+
+    def settle(self, agent: RoleAgent) -> None:
+        """Before a handler changes the agent's engine (under the engine lock)."""
+        ...
+
+    def reset(self) -> None:
+        """The agent released its engine."""
+        ...
+
+    async def pause(self, agent: RoleAgent, action: str, role: Role) -> None:
+        """The agent's part of a shift (``action`` for ``role``) takes its time."""
+        ...
+
+
+class Threaded:
+    """A real engine: steps and weight reads in a worker thread, so requests are answered
+    while the device computes."""
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.to_thread(fn, *args)
+
+    async def turn(self, agent: RoleAgent, engine: InferenceEngine) -> None:
+        async with agent._engine_lock:
+            if engine is not agent.engine or not engine.has_unfinished():
+                return  # released or evacuated while we waited for the lock
+            out = await asyncio.to_thread(engine.step)
+            agent._collect(out)
+        await agent._publish_load(engine.stats())
+
+    def settle(self, agent: RoleAgent) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+    async def pause(self, agent: RoleAgent, action: str, role: Role) -> None:
+        pass
+
+
+class _OnTheLoop:
+    """Engine work runs on the loop (it costs no compute); shifts cost ``shift_cost``."""
+
+    def __init__(self, shift_cost: ShiftCost | None = None) -> None:
+        self.shift_cost = shift_cost
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return fn(*args)
+
+    async def pause(self, agent: RoleAgent, action: str, role: Role) -> None:
+        if self.shift_cost is not None:
+            seconds = self.shift_cost(action, role)
+            if seconds > 0:
+                await agent.clock.sleep(seconds)
+
+    def settle(self, agent: RoleAgent) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+
+class Inline(_OnTheLoop):
+    """One engine iteration per turn, on the loop; ``pace``: each step costs its reported
+    latency in (virtual) time."""
+
+    def __init__(self, *, pace: bool = False, shift_cost: ShiftCost | None = None) -> None:
+        super().__init__(shift_cost)
+        self.pace = pace
+
+    async def turn(self, agent: RoleAgent, engine: InferenceEngine) -> None:
+        async with agent._engine_lock:
+            if engine is not agent.engine or not engine.has_unfinished():
+                return
+            out = engine.step()
+            await agent.clock.sleep(0)
+            agent._collect(out)
+        stats = engine.stats()
+        await agent._publish_load(stats)
+        if self.pace and stats.last_step_s > 0:
+            await agent.clock.sleep(stats.last_step_s)
+
+
+class FastForward(_OnTheLoop):
+    """Sleep until the engine's next event, then run every iteration up to it in one call
+    (see the module docstring). One instance per agent: it holds the segment in flight."""
+
+    def __init__(self, shift_cost: ShiftCost | None = None) -> None:
+        super().__init__(shift_cost)
+        # the engine time at which the segment in flight began (None: no segment in flight),
+        # and the engine time up to which its iterations have run
+        self._segment_start: float | None = None
+        self._engine_free_at = 0.0
+        # what the turn awaits until the segment's end; a handler settling it wakes it early
+        self._wake: asyncio.Future[None] | None = None
+
+    async def turn(self, agent: RoleAgent, engine: Any) -> None:
+        clock = agent.clock
+        async with agent._engine_lock:
+            if engine is not agent.engine or not engine.has_unfinished():
+                return
+            iterations, cost = engine.next_event()
+            if iterations == 0:
+                raise RuntimeError(f"agent {agent.name!r}: the engine holds work it cannot run")
+            start = max(clock.now(), self._engine_free_at)
+            self._segment_start = start
+        delay = start + cost - clock.now()
+        if delay > 0:
+            # one future and one timer a segment: a timeout around an Event would cancel the
+            # task at every segment's end, and a replica runs thousands of segments
+            loop = asyncio.get_running_loop()
+            self._wake = wake = loop.create_future()
+            timer = loop.call_at(loop.time() + delay, _wake_up, wake)
+            try:
+                await wake
+            finally:
+                timer.cancel()
+                self._wake = None
+        async with agent._engine_lock:
+            if self._segment_start != start or engine is not agent.engine:
+                return  # settled by a handler: plan the next segment from the engine as it is
+            self._segment_start = None
+            out = engine.step(max_tokens=None)
+            self._engine_free_at = start + out.cost_s
+            agent._collect(out)
+        await agent._publish_load(engine.stats())
+
+    def settle(self, agent: RoleAgent) -> None:
+        """Run the iterations of the segment in flight that started by now, and make the run
+        loop plan again."""
+        start = self._segment_start
+        if start is None:
+            return
+        self._segment_start = None
+        _wake_up(self._wake)
+        engine = agent.engine
+        elapsed = agent.clock.now() - start
+        if elapsed <= 0 or engine is None or not engine.has_unfinished():
+            return
+        out = engine.step(max_tokens=None, max_cost_s=elapsed)  # type: ignore[call-arg]
+        self._engine_free_at = start + out.cost_s
+        agent._collect(out)
+
+    def reset(self) -> None:
+        self._engine_free_at = 0.0
 
 
 def _wake_up(wake: asyncio.Future[None] | None) -> None:

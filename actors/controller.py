@@ -4,8 +4,8 @@
   each inference scheduler for its load (``QueryLoad``: replicas, running sequences, queue)
   and the trainer for its phase, takes inter-token latencies from the agents' ``load``
   publications, and builds a ``ClusterSnapshot`` over its allocation.
-* Planner: ``pivot.planning.planner.Planner`` (pure); shift durations measured here feed its
-  ``record_shift_time``.
+* Planner: the ``policy`` passed in (pure): the planner or a stage policy; shift durations
+  measured here feed its ``record_shift_time``.
 * Executor: one shift at a time, through ``pivot.shift.ShiftTransaction``: each phase's
   commands go out as requests (concurrently within a phase), failures are retried with a
   backoff (wakes may be given up after ``give_up_after`` attempts), and the phase record is
@@ -24,8 +24,8 @@ It publishes ``ShiftStarted``, ``ShiftFinished`` and ``AllocationChanged`` on ``
 Requests it serves: ``QueryAllocation``, ``TrainerPhaseChanged``; any other message gets an
 error reply and the Controller keeps running.
 
-    Controller(name, bus, *, spec, agents, schedulers, journal, cost_models, models=None,
-               trainer=None, settings=None, routers=None, timer=None)
+    Controller(name, bus, *, spec, agents, schedulers, journal, policy, models=None,
+               trainer=None, settings=None)
         .recovered: asyncio.Event   set once recovery is done and planning runs
         .allocation, .shift (the ShiftTransaction in flight), .shifts_done, .last_decision
         await .plan_once() -> Decision | None    one monitor + planner + executor round
@@ -36,15 +36,16 @@ error reply and the Controller keeps running.
     open_journal(path, *, fsync=True) -> Journal of shift records
 
 ``models`` names the model each inference role runs (sent in Acquire; an agent that knows
-another model for the role refuses). ``timer`` times the planner's phases (say,
-``time.perf_counter``); shift durations come from the bus clock.
+another model for the role refuses). ``policy`` decides each tick: the ``Planner``, or a
+time-sharing baseline's ``StagePolicy`` (``pivot.actors.assembly`` picks it for the
+deployment); shift durations come from the bus clock.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -77,13 +78,12 @@ from pivot.actors.trainer_messages import (
     ReloadTrainer,
     TrainerStatus,
 )
+from pivot.actors.vocabulary import LOAD_TOPIC, SHIFT_TOPIC
 from pivot.bus import Actor, Bus, BusError, handles
 from pivot.cluster import INFERENCE_ROLES, Allocation, ClusterSpec, Move, Role
 from pivot.config import ConfigStruct
-from pivot.planning.cost import CostModel
-from pivot.planning.planner import Planner, PlannerSettings
+from pivot.planning.planner import PlannerSettings
 from pivot.planning.plans import Decision, ShiftPlan, ShiftPolicy
-from pivot.planning.routing import RouterSettings
 from pivot.planning.snapshot import ClusterSnapshot, QueueState, ReplicaState, TrainerPhase
 from pivot.shift import (
     AcquireDevice,
@@ -107,8 +107,6 @@ from pivot.shift import (
 )
 
 Seconds = Annotated[float, msgspec.Meta(gt=0.0)]
-EVENTS_TOPIC = "shift"
-LOAD_TOPIC = "load"
 
 
 class ControllerSettings(ConfigStruct, kw_only=True):
@@ -142,13 +140,10 @@ class Controller(Actor):
         agents: Mapping[int, str],
         schedulers: Mapping[Role, str],
         journal: Journal,
-        cost_models: Mapping[Role, CostModel],
+        policy: ShiftPolicy,
         models: Mapping[Role, str] | None = None,
         trainer: str | None = None,
         settings: ControllerSettings | None = None,
-        routers: Mapping[Role, RouterSettings] | None = None,
-        timer: Callable[[], float] | None = None,
-        policy: ShiftPolicy | None = None,
     ) -> None:
         super().__init__(name, bus)
         self.spec = spec
@@ -164,10 +159,8 @@ class Controller(Actor):
         self.models = {Role(r): m for r, m in (models or {}).items()}
         self.trainer = trainer
         self.settings = settings or ControllerSettings()
-        # None: the planner; a time-sharing baseline passes its stage policy
-        self.planner: ShiftPolicy = policy or Planner(
-            spec, cost_models, self.settings.planner, routers, timer
-        )
+        # the planner, or a time-sharing baseline's stage policy
+        self.planner: ShiftPolicy = policy
         self.allocation = Allocation(spec, ())
         self.recovered = asyncio.Event()
         self.shift: ShiftTransaction | None = None
@@ -310,7 +303,7 @@ class Controller(Actor):
         self.journal.append(record)  # durable before the first command goes out
         self.shift = txn
         await self.publish(
-            EVENTS_TOPIC,
+            SHIFT_TOPIC,
             ShiftStarted(
                 txn=txn.txn,
                 kind=plan.kind,
@@ -375,7 +368,7 @@ class Controller(Actor):
             "shift finished", txn=txn.txn, outcome=txn.phase.value, seconds=round(seconds, 3)
         )
         await self.publish(
-            EVENTS_TOPIC,
+            SHIFT_TOPIC,
             ShiftFinished(
                 txn=txn.txn,
                 outcome=txn.phase.value,
@@ -480,7 +473,7 @@ class Controller(Actor):
         self.allocation = await self._read_allocation(fix=True)
         self.recovered.set()
         await self.publish(
-            EVENTS_TOPIC, AllocationChanged(replicas=self._replica_moves(), at=self.clock.now())
+            SHIFT_TOPIC, AllocationChanged(replicas=self._replica_moves(), at=self.clock.now())
         )
 
     async def _run_stage(self, commands: list[ShiftCommand], *, must: bool) -> bool:

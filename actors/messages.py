@@ -1,4 +1,5 @@
-"""The RL messages the actors exchange: one tagged union (every subclass of ``RLMessage``).
+"""The RL messages of rollout and judging: driver <-> schedulers <-> agents, and the load
+metrics agents publish. ``pivot.actors.vocabulary`` lists every message of the job.
 
 Whatever must arrive (sequences, completions, scores, shift commands) travels as a request and
 is acknowledged; only what the next sample replaces (load metrics) is published. Token ids
@@ -20,7 +21,7 @@ PROTOCOL_VERSION = 1
 
 
 class RLMessage(Message):
-    """Base of every RL message; the codec is built from its subclasses."""
+    """Base of every RL message (the job's union is ``pivot.actors.vocabulary.MESSAGES``)."""
 
 
 # a simulated engine's ids travel as their count: copying thousands of ids per hop would
@@ -147,13 +148,3 @@ class ReplicaLoad(RLMessage, kw_only=True):
     itl_s: float
     generated_tokens: int
     seq_tokens: dict[int, int] = {}
-
-
-def rl_messages() -> list[type[RLMessage]]:
-    found: list[type[RLMessage]] = []
-    stack: list[type[RLMessage]] = [RLMessage]
-    while stack:
-        for sub in stack.pop().__subclasses__():
-            found.append(sub)
-            stack.append(sub)
-    return found

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from pivot.actors.messages import QueryStatus, ReplicaLoad, SchedulerStatus
 from pivot.actors.shift_messages import AllocationChanged, ShiftFinished, ShiftStarted
+from pivot.actors.vocabulary import LOAD_TOPIC, SHIFT_TOPIC
 from pivot.bus import Actor, Bus, BusError
 from pivot.timeline import RateMeter, RoleSample, ShiftMark
 
@@ -79,8 +80,10 @@ class Monitor(Actor):
                 self._on_shift_event(pub.message)
 
     async def run(self) -> None:
-        loads = self.subscribe("load", publishers=self.agents)
-        shifts = self.subscribe("shift", publishers=self.controller) if self.controller else None
+        loads = self.subscribe(LOAD_TOPIC, publishers=self.agents)
+        shifts = (
+            self.subscribe(SHIFT_TOPIC, publishers=self.controller) if self.controller else None
+        )
         self._shift_sub = shifts
         if self.origin is None:
             self.origin = self.clock.now()

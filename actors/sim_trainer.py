@@ -64,6 +64,10 @@ class SimTrainerActor(Actor):
         self._lock = asyncio.Lock()
 
     @property
+    def holds_pool(self) -> bool:
+        return self.trainer.awake
+
+    @property
     def state(self) -> TrainerStateName:
         return self._trainer_state
 

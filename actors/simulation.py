@@ -1,35 +1,24 @@
 """A whole RL job on a simulated cluster: the real actors (Driver, Schedulers, RoleAgents, the
-Controller with its journal, a simulated trainer) on the local transport and the virtual clock,
-with engines that cost time by model (``pivot.engines.sim_engine``) instead of computing.
-
-Four deployments, all configurations of the same actors (DESIGN.md, "Baselines are
-configurations, not separate code"):
-
-* ``disaggregated``: fixed pools (rollout R, reward M, training T devices); no Controller.
-* ``rr-colocated``: one shared inference pool of S devices, time-multiplexed rollout -> reward
-  by the Controller (a phase policy instead of the planner), plus a training pool of T devices.
-* ``colocated``: every device serves one stage at a time, step by step: rollout, then reward,
-  then training; the Controller shifts all devices between stages and pays every shift's cost.
-* ``pivot``: the Controller's planner shifts devices between rollout and reward and lends the
-  trainer pool (P devices) while the trainer waits for a batch.
+Controller with its journal, the trainer), assembled by the one builder
+(``pivot.actors.assembly``) from the deployment a split describes (``pivot.deployment``), run on
+the test kit's ``LocalCluster`` (the local transport and the virtual clock), with the simulated
+backend: engines and a trainer that cost time by model (``pivot.engines.sim_engine``) instead of
+computing.
 
 The RL loop runs with bounded staleness as in the paper's launchers (``staleness`` batches may
 run ahead of training, ``pivot.actors.driver``; 2 by default), except colocated, whose devices
 time-share every stage and so run synchronously (staleness 0). Baselines route
 round-robin and PivotRL with the paper's routers, as the launchers do (paper-notes 2.5, 2.8).
-Weights are not moved by messages: an Acquire costs the modelled GPS read time instead.
 
 Every shift, also the phase switches of the static time-sharing deployments, goes through the
-Controller's journaled executor. Invariants (every sequence held once, ``check_ownership``;
-every device one role, agents agreeing with the Controller's allocation; the trainer holding
-its pool exactly when the allocation says so) are checked at every step end and whenever the
-allocation changed, or at every Controller tick with ``check="tick"``.
+Controller's journaled executor. The kit's invariants are checked at every step end and whenever
+the allocation changed, or at every Controller tick with ``check="tick"``.
 
     simulate(workload, split, settings) -> RunResult        one deployment at one split
-    table4_split(kind, gpus, workload) -> Split              the seed's Table 4, scaled
-    sweep_splits(kind, gpus, workload) -> [Split]            the static splits a sweep tries
     compare(workload, gpus, settings, ...) -> Comparison     pivot against every baseline
     horizon_study(...) / ablation_study(...) -> [RunResult]  Figure 14 and the ablations
+    SimBackend(workload, settings, routers)                   the simulated backend
+    simulated_cluster(clock, workload, split, settings, journal_path)   the kit's LocalCluster
 
 Throughput is measured from the Driver's step reports: samples (responses scored) and tokens
 (response + judgment tokens) per virtual second, over the whole run.
@@ -37,170 +26,64 @@ Throughput is measured from the Driver's step reports: samples (responses scored
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from enum import StrEnum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import msgspec
 
-import pivot.actors.shift_messages  # noqa: F401 - registers the shift messages in rl_messages()
-import pivot.actors.sources  # noqa: F401 - registers SimTrainBatch
-import pivot.actors.trainer_messages  # noqa: F401 - registers the trainer messages
-from pivot.actors.agent import RoleAgent
-from pivot.actors.controller import Controller, ControllerSettings
-from pivot.actors.driver import Driver, StepReport
+from pivot.actors.agent import FastForward, RoleAgent
+from pivot.actors.assembly import (
+    CONTROLLER,
+    AgentParts,
+    AgentStart,
+    Assembly,
+    Control,
+    DriverOptions,
+)
+from pivot.actors.controller import ControllerSettings
 from pivot.actors.journal import Journal
-from pivot.actors.messages import rl_messages
 from pivot.actors.scheduler import Scheduler
 from pivot.actors.shift_messages import AllocationChanged, ShiftFinished, ShiftStarted
 from pivot.actors.sim_trainer import SimTrainerActor
 from pivot.actors.sources import WorkloadSource
-from pivot.bus import Actor, Bus, LocalTransport, run_virtual
-from pivot.cluster import (
-    INFERENCE_ROLES,
-    Allocation,
-    ClusterSpec,
-    Device,
-    Pool,
-    Role,
-    RoleSpec,
-)
+from pivot.actors.testing import FaultPlan, InvariantViolation, LocalCluster
+from pivot.actors.vocabulary import SHIFT_TOPIC
+from pivot.bus import Actor, Bus, Supervisor, run_virtual
+from pivot.bus.supervisor import SupervisorEscalation
+from pivot.cluster import INFERENCE_ROLES, Role, RoleSpec
 from pivot.config import ConfigStruct
+from pivot.deployment import (
+    BASELINES,
+    Deployment,
+    DeploymentError,
+    DeploymentKind,
+    Split,
+    devices_per_host,
+    plan_deployment,
+    replica_unit,
+    sweep_splits,
+    table4_split,
+)
+from pivot.engines.sim_engine import SimTrainer
 from pivot.planning.planner import PlannerSettings
-from pivot.planning.plans import TRAINER_ID, Decision, DoneShift
 from pivot.planning.routing import (
     REWARD_ROUTER,
     ROLLOUT_ROUTER,
+    Router,
     RouterSettings,
-    check_ownership,
     make_router,
 )
-from pivot.planning.snapshot import ClusterSnapshot
-from pivot.planning.staging import StagePolicy
 from pivot.shift import ShiftRecord
 from pivot.timeline import RoleSample, ShiftMark, TrainSpan, overall_throughput
 from pivot.workload import Workload
 
-SCHEDULERS = {Role.ROLLOUT: "sched-rollout", Role.REWARD: "sched-reward"}
-DRIVER, TRAINER, CONTROLLER = "driver", "trainer", "controller"
-
-
-class DeploymentKind(StrEnum):
-    COLOCATED = "colocated"
-    DISAGGREGATED = "disaggregated"
-    RR_COLOCATED = "rr-colocated"
-    PIVOT = "pivot"
-
-
-BASELINES = (DeploymentKind.COLOCATED, DeploymentKind.DISAGGREGATED, DeploymentKind.RR_COLOCATED)
-
 
 class SimulationError(RuntimeError):
     """A simulation that broke an invariant or could not finish; the message says what."""
-
-
-class Split(msgspec.Struct, frozen=True, kw_only=True):
-    """Devices per pool. ``disaggregated``: rollout, reward, training. ``rr-colocated``:
-    shared (rollout -> reward) and training. ``colocated``: shared = every device, training on
-    the same ones. ``pivot``: shared (started half rollout, half reward) and the trainer pool
-    ``training`` (lent to inference while the trainer waits)."""
-
-    kind: DeploymentKind
-    gpus: int
-    rollout: int = 0
-    reward: int = 0
-    shared: int = 0
-    training: int = 0
-
-    def label(self) -> str:
-        if self.kind is DeploymentKind.DISAGGREGATED:
-            return f"RO{self.rollout}/RM{self.reward}/TR{self.training}"
-        if self.kind is DeploymentKind.RR_COLOCATED:
-            return f"RO+RM{self.shared}/TR{self.training}"
-        if self.kind is DeploymentKind.COLOCATED:
-            return f"all{self.gpus}"
-        return f"shared{self.shared}/pool{self.training}"
-
-
-def replica_unit(workload: Workload) -> int:
-    """Pools are multiples of this many devices, so that every replica fits whole."""
-    return max(workload.model(r).layout.size for r in INFERENCE_ROLES)
-
-
-def devices_per_host(gpus: int, unit: int) -> int:
-    """Hosts of 8 devices (H20 nodes), fewer on a cluster smaller than a host."""
-    host = 8 if gpus >= 8 else gpus
-    host = max(host, unit)
-    if gpus % host:
-        raise SimulationError(f"{gpus} devices do not make whole hosts of {host}")
-    return host
-
-
-def _round_to(value: float, unit: int, low: int) -> int:
-    return max(low, int(round(value / unit)) * unit)
-
-
-def table4_split(kind: DeploymentKind | str, gpus: int, workload: Workload) -> Split:
-    """The seed's Table 4 (first group, 32 GPUs: disaggregated 8/8/16, rollout-reward
-    colocated 16 shared + 16 training, colocated all 32, PivotRL a 16-device trainer pool),
-    scaled to ``gpus`` and rounded to whole replicas."""
-    kind = DeploymentKind(kind)
-    unit = replica_unit(workload)
-    if gpus % unit:
-        raise SimulationError(f"{gpus} devices are not a multiple of the replica size {unit}")
-    if kind is DeploymentKind.COLOCATED:
-        return Split(kind=kind, gpus=gpus, shared=gpus, training=gpus)
-    if gpus < 2 * unit:
-        raise SimulationError(f"{kind.value} needs at least {2 * unit} devices, got {gpus}")
-    training = min(_round_to(gpus / 2, unit, unit), gpus - unit)
-    if kind is DeploymentKind.DISAGGREGATED:
-        if gpus < 3 * unit:
-            raise SimulationError(f"disaggregated needs at least {3 * unit} devices, got {gpus}")
-        training = min(training, gpus - 2 * unit)
-        inference = gpus - training
-        rollout = _round_to(inference / 2, unit, unit)
-        rollout = min(rollout, inference - unit)
-        return Split(
-            kind=kind, gpus=gpus, rollout=rollout, reward=inference - rollout, training=training
-        )
-    return Split(kind=kind, gpus=gpus, shared=gpus - training, training=training)
-
-
-def sweep_splits(
-    kind: DeploymentKind | str, gpus: int, workload: Workload, parts: int = 8
-) -> list[Split]:
-    """Static splits a sweep tries: pools in steps of ``gpus / parts`` devices (rounded up to
-    whole replicas). Colocated has only one."""
-    kind = DeploymentKind(kind)
-    unit = replica_unit(workload)
-    if kind is DeploymentKind.COLOCATED:
-        return [table4_split(kind, gpus, workload)]
-    step = max(unit, -(-gpus // parts // unit) * unit)
-    out: list[Split] = []
-    if kind is DeploymentKind.DISAGGREGATED:
-        for training in range(step, gpus - 2 * step + 1, step):
-            for rollout in range(step, gpus - training - step + 1, step):
-                reward = gpus - training - rollout
-                out.append(
-                    Split(
-                        kind=kind,
-                        gpus=gpus,
-                        rollout=rollout,
-                        reward=reward,
-                        training=training,
-                    )
-                )
-    else:
-        # rr-colocated: the training pool; pivot: the trainer pool it lends (its only static
-        # choice: it shifts the rest at run time)
-        for training in range(step, gpus - step + 1, step):
-            out.append(Split(kind=kind, gpus=gpus, shared=gpus - training, training=training))
-    return out
 
 
 # --- settings and results -----------------------------------------------------------------
@@ -286,53 +169,6 @@ class RunResult(msgspec.Struct, kw_only=True):
         }
 
 
-class _CheckedPolicy:
-    """Wraps the Controller's planner (or stage policy): checks the invariants before a
-    decision, when no shift is in flight and the allocation changed (or at every tick)."""
-
-    def __init__(
-        self,
-        inner: Any,
-        check: Callable[[], None],
-        allocation: Callable[[], Allocation],
-        every_tick: bool,
-    ) -> None:
-        self.inner = inner
-        self.check = check
-        self.allocation = allocation
-        self.every_tick = every_tick
-        self._checked: Allocation | None = None
-
-    def record_shift_time(self, seconds: float) -> None:
-        self.inner.record_shift_time(seconds)
-
-    def resume(self, done: Sequence[DoneShift]) -> None:
-        self.inner.resume(done)
-
-    def decide(self, snapshot: ClusterSnapshot) -> Decision:
-        current = self.allocation()
-        if not snapshot.shift_in_flight and (self.every_tick or current is not self._checked):
-            self.check()
-            self._checked = current
-        return self.inner.decide(snapshot)
-
-
-class _CrashingJournal(Journal):
-    """Raises before writing its n-th record: the Controller dies mid-shift."""
-
-    def __init__(self, path: Path, *, fsync: bool, before: int) -> None:
-        super().__init__(path, type_=ShiftRecord, fsync=fsync)
-        self.before = before
-
-    def append(self, record: Any) -> None:
-        if self.appended + 1 == self.before:
-            self.before = -1
-            raise SimulationError(
-                f"injected Controller crash before journal record {self.appended + 1}"
-            )
-        super().append(record)
-
-
 # --- the timeline ---------------------------------------------------------------------------
 
 
@@ -408,7 +244,7 @@ class _Observer(Actor):
             )
 
     async def run(self) -> None:
-        shifts = self.subscribe("shift", publishers=CONTROLLER)
+        shifts = self.subscribe(SHIFT_TOPIC, publishers=CONTROLLER)
         while True:
             for pub in shifts.drain():
                 self.on_shift_event(pub.message)
@@ -416,128 +252,32 @@ class _Observer(Actor):
             await self.clock.sleep(self.interval)
 
 
-# --- assembling a deployment ----------------------------------------------------------------
+# --- the simulated backend ------------------------------------------------------------------
 
 
-class _Layout(msgspec.Struct, frozen=True):
-    """Where everything starts: per device (role, replica id, replica devices)."""
-
-    devices: dict[int, tuple[Role, str, tuple[int, ...]]]
-    managed: int  # devices 0..managed-1 belong to the Controller's cluster (0: no Controller)
-    trainer_pool: tuple[int, ...]  # inside the Controller's cluster; () if not lent
-    trainer_devices: int
-    policy: Literal["none", "stages", "planner"]
-
-
-def _replicas(role: Role, first: int, count: int, size: int) -> dict[int, tuple]:
-    if count % size:
-        raise SimulationError(f"{count} {role.value} devices are not whole replicas of {size}")
-    out = {}
-    for start in range(first, first + count, size):
-        devices = tuple(range(start, start + size))
-        for d in devices:
-            out[d] = (role, f"{role.value}@{start}", devices)
-    return out
-
-
-def _layout(split: Split, workload: Workload) -> _Layout:
-    sizes = {r: workload.model(r).layout.size for r in INFERENCE_ROLES}
-    n = split.gpus
-    kind = split.kind
-    if kind is DeploymentKind.DISAGGREGATED:
-        r, m, t = split.rollout, split.reward, split.training
-        if r + m + t != n or min(r, m, t) <= 0:
-            raise SimulationError(f"split {split.label()} does not use {n} devices")
-        devices = {
-            **_replicas(Role.ROLLOUT, 0, r, sizes[Role.ROLLOUT]),
-            **_replicas(Role.REWARD, r, m, sizes[Role.REWARD]),
-            **{d: (Role.TRAINING, TRAINER_ID, tuple(range(r + m, n))) for d in range(r + m, n)},
-        }
-        return _Layout(devices, 0, (), t, "none")
-    if kind is DeploymentKind.RR_COLOCATED:
-        s, t = split.shared, split.training
-        if s + t != n or min(s, t) <= 0:
-            raise SimulationError(f"split {split.label()} does not use {n} devices")
-        devices = {
-            **_replicas(Role.ROLLOUT, 0, s, sizes[Role.ROLLOUT]),
-            **{d: (Role.TRAINING, TRAINER_ID, tuple(range(s, n))) for d in range(s, n)},
-        }
-        return _Layout(devices, s, (), t, "stages")
-    if kind is DeploymentKind.COLOCATED:
-        pool = tuple(range(n))
-        devices = {d: (Role.TRAINING, TRAINER_ID, pool) for d in pool}
-        return _Layout(devices, n, pool, n, "stages")
-    s, t = split.shared, split.training
-    if s + t != n or s <= 0 or t < 0:
-        raise SimulationError(f"split {split.label()} does not use {n} devices")
-    unit = max(sizes.values())
-    half = max(unit, s // 2 // unit * unit) if s >= 2 * unit else s
-    pool = tuple(range(s, n))
-    devices = {
-        **_replicas(Role.ROLLOUT, 0, half, sizes[Role.ROLLOUT]),
-        **_replicas(Role.REWARD, half, s - half, sizes[Role.REWARD]),
-        **{d: (Role.TRAINING, TRAINER_ID, pool) for d in pool},
-    }
-    return _Layout(devices, n, pool, t, "planner")
-
-
-def _cluster_spec(layout: _Layout, workload: Workload, host: int) -> ClusterSpec:
-    pool = set(layout.trainer_pool)
-    devices = [
-        Device(d, d // host, Pool.TRAINER if d in pool else Pool.SHARED)
-        for d in range(layout.managed)
-    ]
-    roles = {
-        r: RoleSpec(
-            model=workload.model(r).model,
-            layout=workload.model(r).layout,
-            kv_capacity_tokens=workload.kv_capacity_tokens(r),
-        )
-        for r in INFERENCE_ROLES
-    }
-    return ClusterSpec(devices, roles)
-
-
-class _Run:
-    """The actors of one simulated deployment and the checks over them."""
+class SimBackend:
+    """The simulated engines and trainer, in process: agents step their engines in virtual
+    time (``FastForward``), each part of a shift costs what the workload's shift cost model
+    says, and weights are not moved by messages (an Acquire costs the modelled GPS read
+    instead)."""
 
     def __init__(
         self,
-        clock: Any,
         workload: Workload,
-        split: Split,
         settings: SimulationSettings,
-        journal_path: Path,
+        routers: Mapping[Role, RouterSettings],
     ) -> None:
-        self.clock = clock
         self.workload = workload
-        self.split = split
         self.settings = settings
-        self.journal_path = journal_path
-        self.layout = layout = _layout(split, workload)
-        unit = replica_unit(workload)
-        self.host = devices_per_host(split.gpus, unit)
-        self.bus = Bus.local(rl_messages(), transport=LocalTransport(), clock=clock)
+        self.routers = dict(routers)
         self.models = {r: workload.cost_model(r) for r in INFERENCE_ROLES}
-        routers = self._routers(split.kind)
-        self.routers = routers
-        self.schedulers = {
-            role: Scheduler(
-                name,
-                self.bus,
-                role=role,
-                router=make_router(routers[role], self.models[role]),
-                downstream=DRIVER,
-            )
-            for role, name in SCHEDULERS.items()
-        }
-        self.spec = _cluster_spec(layout, workload, self.host) if layout.managed else None
-        shift_costs = workload.shift_costs()
+        self.trainer_engine: SimTrainer | None = None
+        costs = workload.shift_costs()
         params = {r: workload.model(r).params_b for r in INFERENCE_ROLES}
         tps = {r: workload.model(r).layout.tp for r in INFERENCE_ROLES}
         shift = workload.config.shift
 
-        def shift_seconds(action: str, role: Role) -> float:
+        def shift_cost(action: str, role: Role) -> float:
             if role not in INFERENCE_ROLES:
                 return 0.0  # the trainer actor costs its own offload and reload
             if action == "evacuate":
@@ -545,30 +285,30 @@ class _Run:
             if action == "release":
                 return shift.engine_release_s
             if action == "acquire":
-                return shift_costs.inference_up(params[role], tps[role]).seconds(
+                return costs.inference_up(params[role], tps[role]).seconds(
                     "wake"
-                ) + shift_costs.weight_read_s(params[role], tps[role])
+                ) + costs.weight_read_s(params[role], tps[role])
             if action == "register":
                 return shift.register_s
             return 0.0
 
-        sim_trainer = workload.make_trainer(layout.trainer_devices)
-        self.trainer = SimTrainerActor(
-            TRAINER,
-            self.bus,
-            trainer=sim_trainer,
-            controller=CONTROLLER if layout.trainer_pool else None,
-        )
+        self.shift_cost = shift_cost
+
+    def router(self, role: Role) -> Router:
+        return make_router(self.routers[role], self.models[role])
+
+    def agent(self, agent: AgentStart) -> Callable[[], AgentParts]:
+        workload, settings = self.workload, self.settings
 
         def policy_weights(model: str, min_version: int) -> tuple[dict, int]:
-            return {}, max(min_version, sim_trainer.version)
+            trainer = self.trainer_engine
+            return {}, max(min_version, trainer.version if trainer is not None else 0)
 
         def genrm_weights(model: str, min_version: int) -> tuple[dict, int]:
             return {}, min_version
 
-        self.agents: dict[int, RoleAgent] = {}
-        for d in range(split.gpus):
-            role, replica, devices = layout.devices.get(d, (Role.FREE, "", ()))
+        def parts() -> AgentParts:
+            d = agent.device
             # outputs as counts: nothing in a simulation reads token ids or log-probabilities
             # (the simulated trainer counts tokens)
             engines = {
@@ -579,312 +319,224 @@ class _Run:
                     token_events=False,
                     placeholders=True,
                 )
-                for r in self._engine_roles(d)
+                for r in agent.engine_roles
             }
-            self.agents[d] = RoleAgent(
-                f"agent-{d}",
-                self.bus,
-                role=role.value,
-                replica=replica or None,
-                devices=devices or None,
-                device=d,
+            return AgentParts(
                 engines=engines,
                 weights={Role.ROLLOUT: policy_weights, Role.REWARD: genrm_weights},
                 models={r: workload.model(r).model for r in INFERENCE_ROLES},
-                scheduler=SCHEDULERS.get(role),
-                step_in_thread=False,
-                fast_forward=True,
-                shift_seconds=shift_seconds,
+                stepping=FastForward(self.shift_cost),
             )
-        self.staleness = 0 if split.kind is DeploymentKind.COLOCATED else settings.staleness
-        self.driver = Driver(
-            DRIVER,
-            self.bus,
-            source=WorkloadSource(workload, seed=settings.seed),
-            steps=settings.steps,
-            staleness=self.staleness,
-            rollout_scheduler=SCHEDULERS[Role.ROLLOUT],
-            reward_scheduler=SCHEDULERS[Role.REWARD],
-            trainer=TRAINER,
-            replicas={
-                SCHEDULERS[Role.ROLLOUT]: len(
-                    {v[1] for v in layout.devices.values() if v[0] is Role.ROLLOUT}
-                )
-            },
-            on_step=self._on_step,
-            train_timeout=1e9,
-            request_timeout=60.0,
+
+        return parts
+
+    def add_trainer(
+        self,
+        supervisor: Supervisor,
+        bus: Bus,
+        name: str,
+        deployment: Deployment,
+        controller: str | None,
+    ) -> None:
+        self.trainer_engine = trainer = self.workload.make_trainer(len(deployment.trainer_devices))
+        supervisor.add_actor(
+            name, lambda: SimTrainerActor(name, bus, trainer=trainer, controller=controller)
         )
-        fixed: dict[str, int] = {}
-        if split.kind is DeploymentKind.RR_COLOCATED:
-            fixed["training"] = split.training
-        self.observer = _Observer(
+
+
+def simulation_deployment(workload: Workload, split: Split) -> Deployment:
+    """Where the simulated cluster's devices start under ``split`` (hosts of 8 devices)."""
+    sizes = workload.replica_sizes()
+    return plan_deployment(
+        split, sizes, devices_per_host=devices_per_host(split.gpus, replica_unit(sizes))
+    )
+
+
+def _routers(kind: DeploymentKind, settings: SimulationSettings) -> dict[Role, RouterSettings]:
+    paper = {Role.ROLLOUT: ROLLOUT_ROUTER, Role.REWARD: REWARD_ROUTER}
+    if kind is DeploymentKind.PIVOT or settings.baseline_router == "paper":
+        return paper
+    return {
+        role: RouterSettings(
+            policy="round_robin",
+            max_concurrent_per_replica=paper[role].max_concurrent_per_replica,
+        )
+        for role in INFERENCE_ROLES
+    }
+
+
+class SimulatedCluster(NamedTuple):
+    cluster: LocalCluster
+    backend: SimBackend
+    observers: list[_Observer]  # the observer, one per start (it never restarts)
+
+
+def simulated_cluster(
+    clock: Any,
+    workload: Workload,
+    split: Split,
+    settings: SimulationSettings,
+    journal_path: Path,
+    *,
+    faults: FaultPlan | None = None,
+) -> SimulatedCluster:
+    """The test kit's local cluster of ``split``'s deployment with the simulated backend and
+    an observer sampling the timeline; ``run`` it under ``clock``. ``faults``: what to inject
+    (default: the Controller crash ``settings`` asks for, if any)."""
+    deployment = simulation_deployment(workload, split)
+    routers = _routers(split.kind, settings)
+    backend = SimBackend(workload, settings, routers)
+    control = Control(
+        settings=ControllerSettings(
+            interval_s=settings.controller_interval_s,
+            command_timeout_s=120.0,
+            planner=settings.planner,
+        ),
+        journal=lambda: Journal(journal_path, type_=ShiftRecord, fsync=settings.journal_fsync),
+        roles={
+            r: RoleSpec(
+                model=workload.model(r).model,
+                layout=workload.model(r).layout,
+                kv_capacity_tokens=workload.kv_capacity_tokens(r),
+            )
+            for r in INFERENCE_ROLES
+        },
+        cost_models=backend.models,
+        models={r: workload.model(r).model for r in INFERENCE_ROLES},
+        routers=routers,
+    )
+    if faults is None and settings.crash_before_record is not None:
+        faults = FaultPlan(
+            crash_controller_before_record=settings.crash_before_record,
+            restart_after_s=settings.restart_after_s,
+        )
+    observers: list[_Observer] = []
+
+    def observer() -> _Observer:
+        assembly = cluster.assembly
+        agents = assembly.agents
+        fixed = {"training": split.training} if split.kind is DeploymentKind.RR_COLOCATED else {}
+        made = _Observer(
             "observer",
-            self.bus,
-            agents=[self.agents[d] for d in sorted(self.agents)],
-            schedulers=self.schedulers,
-            models=self.models,
+            cluster.bus,
+            agents=[agents[d] for d in sorted(agents)],
+            schedulers=assembly.schedulers,
+            models=backend.models,
             interval=settings.sample_interval_s or max(2.0, split.gpus / 256),
             fixed=fixed,
         )
-        self.controller: Controller | None = None
-        self.journals: list[Journal] = []
-        self.checks = 0
-        self.restarts = 0
-        self.crash: BaseException | None = None
+        observers.append(made)
+        return made
 
-    def _routers(self, kind: DeploymentKind) -> dict[Role, RouterSettings]:
-        paper = {Role.ROLLOUT: ROLLOUT_ROUTER, Role.REWARD: REWARD_ROUTER}
-        if kind is DeploymentKind.PIVOT or self.settings.baseline_router == "paper":
-            return paper
-        return {
-            role: RouterSettings(
-                policy="round_robin",
-                max_concurrent_per_replica=paper[role].max_concurrent_per_replica,
-            )
-            for role in INFERENCE_ROLES
-        }
+    cluster = LocalCluster(
+        clock,
+        deployment,
+        backend=backend,
+        source=WorkloadSource(workload, seed=settings.seed),
+        steps=settings.steps,
+        driver=DriverOptions(
+            # colocated devices time-share every stage: its batches cannot overlap
+            staleness=0 if split.kind is DeploymentKind.COLOCATED else settings.staleness,
+            train_timeout=1e9,
+            request_timeout=60.0,
+        ),
+        control=control if deployment.managed else None,
+        faults=faults,
+        check=settings.check,
+        watchers=[("observer", observer)],
+    )
+    return SimulatedCluster(cluster, backend, observers)
 
-    def _engine_roles(self, device: int) -> tuple[Role, ...]:
-        """Roles whose engine the agent of ``device`` keeps (persistent context): both on a
-        device the Controller may shift, else the one role it holds (members of a
-        multi-device replica keep one too; only the leader's runs)."""
-        if device < self.layout.managed:
-            return INFERENCE_ROLES
-        role = self.layout.devices[device][0]
-        return (role,) if role in INFERENCE_ROLES else ()
 
-    # --- the Controller --------------------------------------------------------------------
+async def _simulate(
+    clock: Any,
+    workload: Workload,
+    split: Split,
+    settings: SimulationSettings,
+    journal_path: Path,
+) -> RunResult:
+    started = time.perf_counter()
+    cluster, _, observers = simulated_cluster(clock, workload, split, settings, journal_path)
 
-    def _make_controller(self, journal: Journal) -> Controller:
-        assert self.spec is not None
-        planner = self.settings.planner
-        controller = Controller(
-            CONTROLLER,
-            self.bus,
-            spec=self.spec,
-            agents={d: self.agents[d].name for d in range(self.layout.managed)},
-            schedulers=SCHEDULERS,
-            journal=journal,
-            cost_models=self.models,
-            models={r: self.workload.model(r).model for r in INFERENCE_ROLES},
-            trainer=TRAINER if self.layout.trainer_pool else None,
-            settings=ControllerSettings(
-                interval_s=self.settings.controller_interval_s,
-                command_timeout_s=120.0,
-                planner=planner,
-            ),
-            routers=self.routers,
-        )
-        inner: Any = controller.planner
-        if self.layout.policy == "stages":
-            # batches overlap only with staleness: then serve the oldest one's stage first
-            prefer = self.driver.oldest_open_stage if self.staleness else None
-            inner = StagePolicy(self.spec, prefer)
-        controller.planner = _CheckedPolicy(  # type: ignore[assignment]
-            inner,
-            self.check,
-            lambda: controller.allocation,
-            self.settings.check == "tick",
-        )
-        return controller
-
-    def _open_journal(self, first: bool) -> Journal:
-        fsync = self.settings.journal_fsync
-        crash = self.settings.crash_before_record
-        if first and crash is not None:
-            journal: Journal = _CrashingJournal(self.journal_path, fsync=fsync, before=crash)
-        else:
-            journal = Journal(self.journal_path, type_=ShiftRecord, fsync=fsync)
-        self.journals.append(journal)
-        return journal
-
-    async def _supervise(self) -> None:
-        """Restart the Controller when it dies (an injected crash), as a supervisor would."""
-        while True:
-            controller = self.controller
-            assert controller is not None
-            try:
-                await controller.wait()
-                return
-            except Exception as exc:  # the crash, as the dead actor reports it
-                self.crash = exc
-            await self.clock.sleep(self.settings.restart_after_s)
-            self.restarts += 1
-            self.controller = self._make_controller(self._open_journal(first=False))
-            await self.controller.start()
-
-    # --- invariants ------------------------------------------------------------------------
-
-    def _on_step(self, report: StepReport) -> None:
-        if self.controller is None or self.controller.shift is None:
-            self.check()
-
-    def check(self) -> None:
-        """Every sequence held once; every device one role, as the allocation says; the
-        trainer holding its pool exactly when the allocation gives it the pool."""
-        self.checks += 1
-        for role, scheduler in self.schedulers.items():
-            check_ownership(scheduler.core.ledger, scheduler.core)
-            seen: dict[int, str] = {}
-            for agent in self.agents.values():
-                if agent.role is not role:
-                    continue
-                for seq_id in agent.held_sequences:
-                    other = seen.setdefault(seq_id, agent.name)
-                    if other != agent.name:
-                        raise SimulationError(
-                            f"{role.value} sequence {seq_id} runs on {other} and {agent.name}"
-                        )
-        controller = self.controller
-        if controller is None or not controller.recovered.is_set():
-            expected = {
-                d: (role, replica, devices)
-                for d, (role, replica, devices) in self.layout.devices.items()
-            }
-            if controller is not None:
-                expected = {d: v for d, v in expected.items() if d >= self.layout.managed}
-            self._check_devices(expected)
-            return
-        allocation: Allocation = controller.allocation
-        expected = {d: v for d, v in self.layout.devices.items() if d >= self.layout.managed}
-        for replica in allocation.replicas.values():
-            for d in replica.devices:
-                expected[d] = (replica.role, replica.id, replica.devices)
-        for d in range(self.layout.managed):
-            expected.setdefault(d, (Role.FREE, "", ()))
-        self._check_devices(expected)
-        for role, scheduler in self.schedulers.items():
-            routed = set(scheduler.routes)
-            want = {r.id for r in allocation.of_role(role)}
-            if routed != want:
-                raise SimulationError(
-                    f"{role.value} scheduler routes to {sorted(routed)}, the allocation has "
-                    f"{sorted(want)}"
-                )
-            if scheduler.cut:
-                raise SimulationError(
-                    f"{role.value} routing still cut from {sorted(scheduler.cut)}"
-                )
-        if self.layout.trainer_pool:
-            holds = bool(allocation.of_role(Role.TRAINING))
-            if holds != self.trainer.trainer.awake:
-                raise SimulationError(
-                    f"the allocation {'gives' if holds else 'lends'} the trainer pool but the "
-                    f"trainer is {'awake' if self.trainer.trainer.awake else 'offloaded'}"
-                )
-
-    def _check_devices(self, expected: Mapping[int, tuple[Role, str, tuple[int, ...]]]) -> None:
-        for d, (role, replica, devices) in expected.items():
-            agent = self.agents[d]
-            have = (agent.role, agent.replica or "", tuple(agent.devices))
-            if have != (role, replica, tuple(devices)):
-                raise SimulationError(
-                    f"device {d}: agent holds {have[0].value} {have[1]!r} on {list(have[2])}, "
-                    f"expected {role.value} {replica!r} on {list(devices)}"
-                )
-
-    # --- the run ---------------------------------------------------------------------------
-
-    async def run(self) -> RunResult:
-        started = time.perf_counter()
-        actors: list[Actor] = [self.trainer, *self.schedulers.values()]
-        actors += [self.agents[d] for d in sorted(self.agents)]
-        for actor in actors:
-            await actor.start()
-        supervisor = None
-        if self.spec is not None:
-            self.controller = self._make_controller(self._open_journal(first=True))
-            await self.controller.start()
-            supervisor = asyncio.get_running_loop().create_task(self._supervise())
-        await self.observer.start()
-        await self.driver.start()
-        finished = asyncio.get_running_loop().create_task(self.driver.finished.wait())
-        crashed = asyncio.get_running_loop().create_task(self.driver.wait())
-        done, _ = await asyncio.wait({finished, crashed}, return_when=asyncio.FIRST_COMPLETED)
-        if crashed in done and not finished.done():
-            finished.cancel()
-            exc = crashed.exception()
-            raise SimulationError(f"the driver stopped before its last step: {exc!r}") from exc
-        crashed.cancel()
-        if self.controller is not None and self.controller.shift is None:
-            self.check()
-        self.observer.sample()
-        for role, scheduler in self.schedulers.items():
+    def at_end() -> None:
+        observers[-1].sample()
+        want = settings.steps * workload.config.batch.prompts_per_step
+        want *= workload.config.batch.samples_per_prompt
+        for role, scheduler in cluster.assembly.schedulers.items():
             counts = scheduler.core.ledger.counts()
-            want = self.settings.steps * self.workload.config.batch.prompts_per_step
-            want *= self.workload.config.batch.samples_per_prompt
             if scheduler.completed != want or counts["done"] != want:
                 raise SimulationError(
                     f"{role.value}: {scheduler.completed} completions for {want} sequences "
                     f"({counts})"
                 )
-        if supervisor is not None:
-            supervisor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await supervisor
-        for actor in (self.driver, self.observer):
-            await actor.stop()
-        if self.controller is not None:
-            await self.controller.stop()
-        for actor in reversed(actors):
-            await actor.stop()
-        await self.bus.close()
-        for journal in self.journals:
-            journal.close()
-        return self._result(time.perf_counter() - started)
 
-    def _result(self, wall_s: float) -> RunResult:
-        reports = self.driver.reports
-        steps = [
-            StepRecord(
-                step=r.step,
-                started_s=r.started_s,
-                seconds=r.seconds,
-                rollout_s=r.rollout_s,
-                train_s=r.train_s,
-                samples=r.samples,
-                tokens=r.response_tokens + r.judgment_tokens,
-            )
-            for r in reports
-        ]
-        first = reports[0].started_s
-        last = max(r.started_s + r.seconds for r in reports)
-        seconds = max(last - first, 1e-9)
-        samples = sum(s.samples for s in steps)
-        tokens = sum(s.tokens for s in steps)
-        marks = self.observer.marks
-        migration = MigrationCost(
-            shifts=len(marks),
-            shift_s=sum(m.seconds for m in marks),
-            trainer_s=self.trainer.shift_s,
-            aborted=sum(s.core.aborts for s in self.schedulers.values()),
-            reprefills=sum(s.core.reprefills for s in self.schedulers.values()),
-            reprefill_tokens=sum(s.core.reprefill_tokens for s in self.schedulers.values()),
-            reprefill_s=sum(
-                s.core.reprefill_tokens / self.workload.prefill_tokens_per_s(role)
-                for role, s in self.schedulers.items()
-            ),
+    try:
+        assembly = await cluster.run(at_end)
+    except (InvariantViolation, SupervisorEscalation) as exc:
+        raise SimulationError(str(exc)) from exc
+    return _result(assembly, observers[-1], workload, split, cluster, time.perf_counter() - started)
+
+
+def _result(
+    assembly: Assembly,
+    observer: _Observer,
+    workload: Workload,
+    split: Split,
+    cluster: LocalCluster,
+    wall_s: float,
+) -> RunResult:
+    reports = assembly.driver.reports
+    schedulers = assembly.schedulers
+    trainer: Any = assembly.trainer
+    steps = [
+        StepRecord(
+            step=r.step,
+            started_s=r.started_s,
+            seconds=r.seconds,
+            rollout_s=r.rollout_s,
+            train_s=r.train_s,
+            samples=r.samples,
+            tokens=r.response_tokens + r.judgment_tokens,
         )
-        return RunResult(
-            deployment=self.split.kind,
-            split=self.split,
-            label="",
-            steps=steps,
-            seconds=seconds,
-            samples=samples,
-            tokens=tokens,
-            samples_per_s=samples / seconds,
-            tokens_per_s=tokens / seconds,
-            shifts_per_step=len(marks) / max(len(steps), 1),
-            migration=migration,
-            timeline=self.observer.samples,
-            marks=marks,
-            trains=self.trainer.spans,
-            checks=self.checks,
-            recovered=self.restarts,
-            wall_s=wall_s,
-        )
+        for r in reports
+    ]
+    first = reports[0].started_s
+    last = max(r.started_s + r.seconds for r in reports)
+    seconds = max(last - first, 1e-9)
+    samples = sum(s.samples for s in steps)
+    tokens = sum(s.tokens for s in steps)
+    marks = observer.marks
+    migration = MigrationCost(
+        shifts=len(marks),
+        shift_s=sum(m.seconds for m in marks),
+        trainer_s=trainer.shift_s,
+        aborted=sum(s.core.aborts for s in schedulers.values()),
+        reprefills=sum(s.core.reprefills for s in schedulers.values()),
+        reprefill_tokens=sum(s.core.reprefill_tokens for s in schedulers.values()),
+        reprefill_s=sum(
+            s.core.reprefill_tokens / workload.prefill_tokens_per_s(role)
+            for role, s in schedulers.items()
+        ),
+    )
+    return RunResult(
+        deployment=split.kind,
+        split=split,
+        label="",
+        steps=steps,
+        seconds=seconds,
+        samples=samples,
+        tokens=tokens,
+        samples_per_s=samples / seconds,
+        tokens_per_s=tokens / seconds,
+        shifts_per_step=len(marks) / max(len(steps), 1),
+        migration=migration,
+        timeline=observer.samples,
+        marks=marks,
+        trains=trainer.spans,
+        checks=cluster.checks,
+        recovered=cluster.restarts,
+        wall_s=wall_s,
+    )
 
 
 def simulate(
@@ -912,9 +564,12 @@ def simulate(
             path.unlink()  # a fresh run: an old journal would be recovered as this one's
 
         async def main(clock: Any) -> RunResult:
-            return await _Run(clock, workload, split, settings, path).run()
+            return await _simulate(clock, workload, split, settings, path)
 
-        result = run_virtual(main, seed=settings.seed)
+        try:
+            result = run_virtual(main, seed=settings.seed)
+        except DeploymentError as exc:
+            raise SimulationError(str(exc)) from exc
     result.label = label
     return result
 
@@ -998,7 +653,7 @@ def best_static(
     quick = msgspec.structs.replace(settings, steps=steps)
     best: tuple[float, Split] | None = None
     tried = []
-    for split in sweep_splits(kind, gpus, workload):
+    for split in sweep_splits(kind, gpus, workload.replica_sizes()):
         result = simulate(workload, split, quick, label="sweep", journal_dir=journal_dir)
         tried.append({"split": split.label(), "samples_per_s": round(result.samples_per_s, 6)})
         if progress is not None:
@@ -1026,7 +681,7 @@ def compare(
     say = progress or (lambda _: None)
     baselines: dict[str, BaselineRuns] = {}
     for kind in kinds:
-        split = table4_split(kind, gpus, workload)
+        split = table4_split(kind, gpus, workload.replica_sizes())
         table4 = simulate(workload, split, settings, label="table4", journal_dir=journal_dir)
         say(f"{kind.value} {split.label()} (table 4): {table4.samples_per_s:.3f} samples/s")
         runs = BaselineRuns(table4=table4)
@@ -1085,7 +740,7 @@ def horizon_study(
     *,
     journal_dir: str | Path | None = None,
 ) -> list[RunResult]:
-    split = table4_split(DeploymentKind.PIVOT, gpus, workload)
+    split = table4_split(DeploymentKind.PIVOT, gpus, workload.replica_sizes())
     return [
         simulate(
             workload,
@@ -1106,7 +761,7 @@ def ablation_study(
     *,
     journal_dir: str | Path | None = None,
 ) -> list[RunResult]:
-    split = table4_split(DeploymentKind.PIVOT, gpus, workload)
+    split = table4_split(DeploymentKind.PIVOT, gpus, workload.replica_sizes())
     out = [simulate(workload, split, settings, label="full", journal_dir=journal_dir)]
     for name in names:
         if name not in ABLATIONS:

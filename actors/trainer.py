@@ -47,8 +47,6 @@ from typing import Any
 
 import torch
 
-from pivot.actors import trainer_messages  # noqa: F401  (registers the trainer's messages)
-from pivot.actors.messages import rl_messages
 from pivot.actors.shift_messages import TrainerPhaseChanged
 from pivot.actors.trainer_messages import (
     OffloadTrainer,
@@ -60,6 +58,7 @@ from pivot.actors.trainer_messages import (
     TrainerStateName,
     TrainerStatus,
 )
+from pivot.actors.vocabulary import rl_messages
 from pivot.bus import Actor, Bus, BusError, Directory, RestartPolicy, Supervisor, handles
 from pivot.config import convert
 from pivot.grpo import (

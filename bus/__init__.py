@@ -17,7 +17,7 @@ Actors (``actor``)
 
 Messages (``codec``)
     Message                           tagged msgspec.Struct base for application messages
-    Codec(messages, *, secret=None) / Codec.of_subclasses(base, *, secret=None)
+    Codec(messages, *, secret=None)
     Ping, Pong, RemoteFailure          system messages the bus adds
 
 Transports (``transport``, ``local``, ``nng``)

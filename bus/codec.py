@@ -185,21 +185,6 @@ class Codec:
         self.PublishEnvelope = publish_t
         self._encode = msgspec.msgpack.Encoder().encode
 
-    @classmethod
-    def of_subclasses(
-        cls, base: type[msgspec.Struct], *, secret: bytes | str | None = None
-    ) -> Codec:
-        """A codec for every (transitive) subclass of ``base`` defined so far."""
-        found: list[type[msgspec.Struct]] = []
-        stack = [base]
-        while stack:
-            for sub in stack.pop().__subclasses__():
-                found.append(sub)
-                stack.append(sub)
-        return cls(
-            [c for c in found if msgspec.inspect.type_info(c).tag is not None], secret=secret
-        )
-
     @property
     def secured(self) -> bool:
         return self.secret is not None

@@ -29,11 +29,14 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pivot.deployment import BASELINES, DeploymentKind
+
 if TYPE_CHECKING:  # the job's modules load torch: only when a bench runs
     from pivot.actors.scheduler import MigrationTiming
     from pivot.timeline import ShiftMark
 
-DEPLOYMENTS = ("pivot", "colocated", "disaggregated", "rr-colocated")
+#: pivot first: the others are compared with it
+DEPLOYMENTS = (DeploymentKind.PIVOT.value, *(k.value for k in BASELINES))
 
 
 def _median(values: list[float]) -> float | None:
@@ -93,7 +96,7 @@ def run_deployment(config: str, kind: str, steps: int, seed: int | None, root: P
     started = time.perf_counter()
     with logs_to(run_dir / "actors.log"):
         reports, monitor = run_real(runner.run())
-    migrations = [m for s in runner.scheduler_actors.values() for m in s.migrations]
+    migrations = [m for s in runner.assembly.schedulers.values() for m in s.migrations]
     return DeploymentRun(kind, reports, monitor.shifts, migrations, time.perf_counter() - started)
 
 

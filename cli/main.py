@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from pivot import __version__
 from pivot.config import ConfigError
+from pivot.deployment import KIND_NAMES
 
 DEFAULT_CONFIG = "configs/tiny.toml"
 
@@ -73,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="override the config's seed")
     p.add_argument(
         "--deployment",
-        choices=["pivot", "disaggregated", "rr-colocated", "colocated"],
+        choices=KIND_NAMES,
         default=None,
         help="override the config's deployment.kind",
     )

@@ -24,27 +24,36 @@ from pathlib import Path
 
 import msgspec
 
-from pivot.actors import shift_messages, sources, trainer_messages  # noqa: F401 (messages)
-from pivot.actors.controller import Controller, ControllerSettings, open_journal
-from pivot.actors.driver import Driver, StepReport
-from pivot.actors.messages import rl_messages
+from pivot.actors.assembly import (
+    CONTROLLER,
+    DRIVER,
+    MONITOR,
+    SCHEDULERS,
+    TRAINER,
+    Assembly,
+    Control,
+    DriverOptions,
+    agent_name,
+    assemble,
+)
+from pivot.actors.controller import ControllerSettings, open_journal
+from pivot.actors.driver import StepReport
 from pivot.actors.monitor import Monitor
-from pivot.actors.scheduler import Scheduler
-from pivot.actors.shift_messages import AllocationReport, QueryAllocation, TrainerPhaseChanged
+from pivot.actors.processes import ProcessBackend
 from pivot.actors.sources import TaskSource
 from pivot.actors.trainer import trainer_names
+from pivot.actors.vocabulary import rl_messages
 from pivot.assets import ASSETS
 from pivot.bus import Bus, Directory, RestartPolicy, Supervisor, configure_logging, run_real
 from pivot.cli.live import LiveView
 from pivot.cli.plot import plot_run
-from pivot.cluster import ClusterSpec, Device, Pool, Role, RoleSpec
+from pivot.cluster import Role, RoleSpec
 from pivot.config import ConfigError, load_toml
 from pivot.engines.protocol import SamplingParams
 from pivot.engines.tokenizer import TextCodec
 from pivot.job import JobConfig
 from pivot.planning.cost import CostModel
 from pivot.planning.routing import RouterSettings, make_router
-from pivot.planning.staging import StagePolicy
 from pivot.timeline import RoleSample, ShiftMark, TrainSpan
 
 # Estimate, not a measurement: the tiny models' per-step cost on one CPU thread. It ranks
@@ -81,7 +90,7 @@ def _allocation_text(allocation: dict[str, int]) -> str:
 
 
 class Job:
-    """The actors of one `pivot run`, assembled from the config."""
+    """One `pivot run`: its deployment assembled over nng ipc://, with the real backend."""
 
     def __init__(
         self,
@@ -98,104 +107,45 @@ class Job:
         self.run_dir = run_dir
         self.console = console
         self.view = view
-        self.layout = layout = job.layout()
-        self.agents = {d: f"agent-{d}" for d in layout.inference_devices}
-        self.trainers = trainer_names("trainer", len(layout.trainer_pool))
-        self.schedulers = {Role.ROLLOUT: "rollout-scheduler"}
-        if genrm is not None:
-            self.schedulers[Role.REWARD] = "reward-scheduler"
-        names = ["driver", "monitor", "controller", *self.schedulers.values()]
-        # ipc paths must stay under ~100 bytes, so sockets live in a short temporary folder
+        self.deployment = job.plan()
+        self.assembly: Assembly | None = None
+        # ipc paths must stay under ~100 bytes: sockets live in a short temporary folder
         self.sockets = Path(tempfile.mkdtemp(prefix="pivot-"))
-        self.directory = Directory.ipc(
-            self.sockets, [*names, *self.agents.values(), *self.trainers]
-        )
-        self.bus = Bus.nng(self.directory, rl_messages())
-        self.scheduler_actors: dict[Role, Scheduler] = {}
-        self.store = f"pivot-gps-{os.getpid()}"
-
-    def _router(self):
-        return make_router(
-            RouterSettings(
-                policy="lowest_itl", max_concurrent_per_replica=self.job.model.max_running
-            ),
-            TINY_CPU_COST,
-        )
-
-    def add_agents(self, sup: Supervisor) -> None:
-        checkpoints = {"rollout": str(self.policy)}
+        directory = Directory.ipc(self.sockets, self._names())
+        self.bus = Bus.nng(directory, rl_messages())
+        checkpoints = {Role.ROLLOUT: self.policy}
         if self.genrm is not None:
-            checkpoints["reward"] = str(self.genrm)
-        for device, role in self.layout.initial_roles.items():
-            scheduler = self.schedulers.get(role)
-            sup.add_process(
-                self.agents[device],
-                "pivot.actors.agent:torch_agent",
-                kwargs={
-                    "directory": self.directory.to_dict(),
-                    "role": role.value,
-                    "scheduler": scheduler,
-                    "checkpoints": checkpoints,
-                    "stores": {"rollout": self.store},
-                    "device": device,
-                    "max_running": self.job.model.max_running,
-                    "threads": self.job.cluster.threads_per_device,
-                    "seed": self.job.seed * 1000 + device,
-                },
-                env={"OMP_NUM_THREADS": str(self.job.cluster.threads_per_device)},
-                ready_timeout=180.0,
-            )
-
-    def add_trainer(self, sup: Supervisor) -> None:
-        from pivot.actors.trainer import add_trainer_group
-
-        add_trainer_group(
-            sup,
-            "trainer",
-            directory=self.directory,
-            checkpoint=self.policy,
-            world_size=len(self.layout.trainer_pool),
-            run_dir=self.sockets,
-            store_name=self.store,
-            settings=self.job.training,
-            threads=self.job.cluster.threads_per_device,
-            # a batch that finds the pool lent asks the Controller to reclaim it
-            controller="controller" if self.layout.lends_trainer else None,
-        )
-
-    def controller(self) -> Controller:
-        managed = sorted(self.agents)
-        spec = ClusterSpec(
-            [
-                Device(d, 0, Pool.TRAINER if d in self.layout.trainer_pool else Pool.SHARED)
-                for d in managed
-            ],
-            {
-                Role.ROLLOUT: RoleSpec(model="policy"),
-                Role.REWARD: RoleSpec(model="genrm"),
-            },
-        )
-        control = self.job.control
-        return Controller(
-            "controller",
-            self.bus,
-            spec=spec,
-            agents=self.agents,
-            schedulers=self.schedulers,
-            journal=open_journal(self.run_dir / "shift.journal"),
-            cost_models={Role.ROLLOUT: TINY_CPU_COST, Role.REWARD: TINY_CPU_COST},
-            trainer="trainer" if self.layout.lends_trainer else None,
-            settings=ControllerSettings(
-                interval_s=control.interval_s,
-                command_timeout_s=control.command_timeout_s,
-                planner=control.planner,
+            checkpoints[Role.REWARD] = self.genrm
+        self.backend = ProcessBackend(
+            directory,
+            checkpoints=checkpoints,
+            store=f"pivot-gps-{os.getpid()}",
+            router=lambda role: make_router(
+                RouterSettings(
+                    policy="lowest_itl", max_concurrent_per_replica=self.job.model.max_running
+                ),
+                TINY_CPU_COST,
             ),
-            timer=time.perf_counter,
-            policy=None if self.job.deployment.kind == "pivot" else StagePolicy(spec),
+            max_running=self.job.model.max_running,
+            threads=self.job.cluster.threads_per_device,
+            seed=self.job.seed,
+            training=self.job.training,
+            rendezvous_dir=self.sockets,
         )
+
+    def _names(self) -> list[str]:
+        d = self.deployment
+        return [
+            DRIVER,
+            MONITOR,
+            CONTROLLER,
+            *(SCHEDULERS[r] for r in d.roles),
+            *(agent_name(device) for device in d.agent_devices),
+            *trainer_names(TRAINER, len(d.trainer_devices)),
+        ]
 
     async def run(self) -> tuple[list[StepReport], Monitor]:
-        job, run_dir, console = self.job, self.run_dir, self.console
+        job, run_dir, console, d = self.job, self.run_dir, self.console, self.deployment
         metrics = (run_dir / "metrics.jsonl").open("ab")
         timeline = (run_dir / "timeline.jsonl").open("ab")
         codec = TextCodec.from_dir(self.policy)
@@ -245,48 +195,43 @@ class Job:
             judged=self.genrm is not None,
             judgment_tokens=job.reward.max_new_tokens,
         )
-        roles = list(self.layout.initial_roles.values())
-        expected = {self.schedulers[Role.ROLLOUT]: roles.count(Role.ROLLOUT)}
-        if self.genrm is not None:
-            expected[self.schedulers[Role.REWARD]] = roles.count(Role.REWARD)
-        driver = Driver(
-            "driver",
-            self.bus,
-            source=source,
-            steps=job.steps,
-            rollout_scheduler=self.schedulers[Role.ROLLOUT],
-            reward_scheduler=self.schedulers.get(Role.REWARD),
-            trainer="trainer",
-            on_step=on_step,
-            replicas=expected,
-            on_batch_ready=self._batch_ready if self.layout.lends_trainer else None,
-            before_first_step=self._controller_ready if self.layout.managed else None,
-        )
         monitor = Monitor(
-            "monitor",
+            MONITOR,
             self.bus,
-            agents=list(self.agents.values()),
-            schedulers={role.value: name for role, name in self.schedulers.items()},
+            agents=[agent_name(device) for device in d.agent_devices],
+            schedulers={role.value: SCHEDULERS[role] for role in d.roles},
             on_sample=on_sample,
             on_shift=on_shift,
-            controller="controller" if self.layout.managed else None,
+            controller=CONTROLLER if d.managed else None,
             interval=0.1,
         )
-        self._driver = driver
-        once = RestartPolicy(restart="never")
+        control = self.job.control
         sup = Supervisor(policy=RestartPolicy(max_restarts=2, window=60.0))
-        # in this order: agents register with their scheduler as they start
-        for role, name in self.schedulers.items():
-            self.scheduler_actors[role] = Scheduler(
-                name, self.bus, role=role, router=self._router(), downstream="driver"
-            )
-            sup.add_actor(name, lambda role=role: self.scheduler_actors[role], policy=once)
-        self.add_trainer(sup)
-        self.add_agents(sup)
-        if self.layout.managed:
-            sup.add_actor("controller", self.controller, policy=once)
-        sup.add_actor("monitor", lambda: monitor, policy=once)
-        sup.add_actor("driver", lambda: driver, policy=once)
+        self.assembly = assemble(
+            d,
+            self.bus,
+            sup,
+            backend=self.backend,
+            source=source,
+            steps=job.steps,
+            driver=DriverOptions(on_step=on_step, announce_batches=True, wait_for_controller=True),
+            control=Control(
+                settings=ControllerSettings(
+                    interval_s=control.interval_s,
+                    command_timeout_s=control.command_timeout_s,
+                    planner=control.planner,
+                ),
+                journal=lambda: open_journal(run_dir / "shift.journal"),
+                roles={
+                    Role.ROLLOUT: RoleSpec(model="policy"),
+                    Role.REWARD: RoleSpec(model="genrm"),
+                },
+                cost_models={Role.ROLLOUT: TINY_CPU_COST, Role.REWARD: TINY_CPU_COST},
+                timer=time.perf_counter,
+            ),
+            watchers=[(MONITOR, lambda: monitor)],
+        )
+        driver = self.assembly.driver
         sup.install_signal_handlers()
         try:
             try:
@@ -311,21 +256,6 @@ class Job:
             timeline.close()
             shutil.rmtree(self.sockets, ignore_errors=True)
         return driver.reports, monitor
-
-    async def _controller_ready(self) -> None:
-        """Step 0 starts once the Controller has recovered and lent the idle trainer pool."""
-        while True:
-            report = await self._driver.request(
-                "controller", QueryAllocation(), expect=AllocationReport, timeout=30.0
-            )
-            lent = not any(m.role is Role.TRAINING for m in report.replicas)
-            if report.recovered and report.txn is None and lent:
-                return
-            await self._driver.clock.sleep(0.05)
-
-    async def _batch_ready(self) -> None:
-        """Tell the Controller the trainer needs its pool back now, not at its next tick."""
-        await self._driver.request("controller", TrainerPhaseChanged(phase="ready"), timeout=10.0)
 
 
 def prepare(
@@ -377,8 +307,8 @@ def main(args: argparse.Namespace) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     console = Console(soft_wrap=True)
     c, d = job.cluster, job.deployment
-    layout = job.layout()
-    ranks = len(layout.trainer_pool)
+    deployment = job.plan()
+    ranks = len(deployment.trainer_devices)
     judge = "GenRM judging" if genrm is not None else "the exact checker scoring"
     console.print(
         f"[bold]pivot run[/bold] {args.config}: GRPO, {job.steps} steps of "
@@ -387,15 +317,13 @@ def main(args: argparse.Namespace) -> int:
         f"deployment {d.kind}; torch engines and DeepSpeed over nng ipc://\nrun dir: {run_dir}"
     )
     started = time.perf_counter()
-    allocation: dict[str, int] = {"training": len(layout.trainer_pool)}
-    for role in layout.initial_roles.values():
-        if role.value != "free":
-            allocation[role.value] = allocation.get(role.value, 0) + 1
+    allocation: dict[str, int] = {"training": ranks}
+    for device in deployment.agent_devices:
+        placed = deployment.placement(device)
+        if placed is not None and placed.role is not Role.TRAINING:
+            allocation[placed.role.value] = allocation.get(placed.role.value, 0) + 1
     view = LiveView(
-        job.steps,
-        d.kind,
-        allocation,
-        fixed={} if layout.lends_trainer else {"training": len(layout.trainer_pool)},
+        job.steps, d.kind, allocation, fixed={} if deployment.lends_trainer else {"training": ranks}
     )
     runner = Job(job, policy, genrm, run_dir, console, view)
     try:
@@ -433,7 +361,7 @@ def main(args: argparse.Namespace) -> int:
     def mean(rs: list[StepReport]) -> float:
         return sum(r.reward_mean for r in rs) / max(len(rs), 1)
 
-    repeats = sum(r.duplicates for r in reports) + runner._driver.unknown_completions
+    repeats = sum(r.duplicates for r in reports) + runner.assembly.driver.unknown_completions
     if repeats:
         console.print(f"{repeats} completions arrived more than once (ignored)", style="yellow")
     console.print(

@@ -27,7 +27,9 @@ from typing import Any
 
 import msgspec
 
-DEPLOYMENTS = ("all", "pivot", "colocated", "disaggregated", "rr-colocated")
+from pivot.deployment import KIND_NAMES
+
+DEPLOYMENTS = ("all", *KIND_NAMES)
 STUDIES = ("horizon", "ablation")
 # the keys of pivot.actors.simulation.ABLATIONS, named here so that building the parser imports
 # nothing heavy (``pivot --help`` stays instant)
@@ -89,6 +91,7 @@ def main(args: argparse.Namespace) -> int:
         pivot_settings,
     )
     from pivot.bus import configure_logging
+    from pivot.deployment import DeploymentError
     from pivot.workload import load_workload
 
     started = time.perf_counter()
@@ -137,7 +140,7 @@ def main(args: argparse.Namespace) -> int:
             )
             results = comparison.runs()
             report = _comparison_report(comparison, args)
-    except SimulationError as exc:
+    except (SimulationError, DeploymentError) as exc:
         print(f"pivot simulate: {exc}", file=sys.stderr)
         return 1
     _write_metrics(run_dir / "metrics.jsonl", results)

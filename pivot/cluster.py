@@ -43,6 +43,12 @@ def other_inference_role(role: Role) -> Role:
     raise ClusterError(f"{role.value!r} is not an inference role")
 
 
+def replica_id(role: Role, devices: tuple[int, ...]) -> str:
+    """A replica's name: its role at its first device (the planner appends ``#n`` to a name
+    still taken by a replica that is being evicted)."""
+    return f"{role.value}@{devices[0]}"
+
+
 class Pool(StrEnum):
     SHARED = "shared"
     TRAINER = "trainer"  # lent to inference while the trainer waits, reclaimed whole when ready

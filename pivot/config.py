@@ -65,7 +65,7 @@ def _describe(value: Any) -> str:
 
 
 def _choices(type_: Any, path: str) -> tuple | None:
-    """The allowed values of the Literal field at ``path``, if it is one."""
+    """The allowed values of the Literal or enum field at ``path``, if it is one."""
     info = msgspec.inspect.type_info(type_)
     for part in re.findall(r"\.([^.\[]+)|\[(\d+)\]", path):
         name, _ = part
@@ -79,6 +79,8 @@ def _choices(type_: Any, path: str) -> tuple | None:
             return None
     while isinstance(info, msgspec.inspect.Metadata):
         info = info.type
+    if isinstance(info, msgspec.inspect.EnumType):
+        return tuple(m.value for m in info.cls)
     return info.values if isinstance(info, msgspec.inspect.LiteralType) else None
 
 

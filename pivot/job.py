@@ -14,6 +14,7 @@ import msgspec
 
 from pivot.cluster import Role
 from pivot.config import ConfigError, ConfigStruct
+from pivot.deployment import Deployment, DeploymentKind, Split, plan_deployment
 from pivot.planning.planner import PlannerSettings
 from pivot.training import TrainingSettings
 
@@ -21,8 +22,6 @@ Positive = Annotated[int, msgspec.Meta(ge=1)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Probability = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 Seconds = Annotated[float, msgspec.Meta(gt=0.0)]
-
-Deployment = Literal["pivot", "disaggregated", "rr-colocated", "colocated"]
 
 
 class ClusterSection(ConfigStruct):
@@ -52,7 +51,7 @@ class DeploymentSection(ConfigStruct):
     ``rollout_devices``: under pivot, the shared devices serving rollout at the start.
     """
 
-    kind: Deployment = "pivot"
+    kind: DeploymentKind = DeploymentKind.PIVOT
     rollout_devices: Positive = 1
 
 
@@ -90,17 +89,6 @@ class ControlSection(ConfigStruct):
     )
 
 
-class DeviceLayout(msgspec.Struct, frozen=True, kw_only=True):
-    """A deployment's devices. The trainer starts holding its pool, whose devices start
-    free (under pivot and colocated the Controller lends them before step 0)."""
-
-    trainer_pool: tuple[int, ...]
-    inference_devices: tuple[int, ...]  # each hosts a role agent
-    initial_roles: dict[int, Role]
-    managed: bool  # the Controller shifts devices (every kind but disaggregated)
-    lends_trainer: bool  # ... and lends and reclaims the trainer pool
-
-
 class JobConfig(ConfigStruct):
     """The whole job."""
 
@@ -118,28 +106,29 @@ class JobConfig(ConfigStruct):
     def shared_devices(self) -> int:
         return self.cluster.devices - self.cluster.trainer_devices
 
-    def layout(self) -> DeviceLayout:
-        """Which devices train, which host a role agent, and each agent's first role."""
+    def plan(self) -> Deployment:
+        """Which devices train, which host a role agent, and what each starts as: one CPU
+        "device" per replica, the last ``trainer_devices`` the trainer pool (colocated: every
+        device, one DeepSpeed rank each)."""
         kind, n = self.deployment.kind, self.cluster.devices
-        shared = self.shared_devices
-        # colocated: every device is in the trainer pool and holds one rank
-        pool = tuple(range(0 if kind == "colocated" else shared, n))
-        # a trainer pool that is never lent hosts no role agent
-        lends = kind in ("pivot", "colocated")
-        inference = tuple(range(n)) if lends else tuple(range(shared))
+        shared, training = self.shared_devices, self.cluster.trainer_devices
         rollout = self.deployment.rollout_devices
-        if self.reward.kind != "genrm" or kind == "rr-colocated":
-            rollout = shared
-        roles = {
-            d: (Role.ROLLOUT if d < rollout else Role.REWARD) if d not in pool else Role.FREE
-            for d in inference
-        }
-        return DeviceLayout(
-            trainer_pool=pool,
-            inference_devices=inference,
-            initial_roles=roles,
-            managed=kind != "disaggregated",
-            lends_trainer=lends,
+        if kind is DeploymentKind.DISAGGREGATED:
+            split = Split(
+                kind=kind, gpus=n, rollout=rollout, reward=shared - rollout, training=training
+            )
+        elif kind is DeploymentKind.COLOCATED:
+            split = Split(kind=kind, gpus=n, shared=n, training=n)
+        elif kind is DeploymentKind.RR_COLOCATED:
+            split = Split(kind=kind, gpus=n, shared=shared, training=training)
+        else:
+            split = Split(kind=kind, gpus=n, rollout=rollout, shared=shared, training=training)
+        return plan_deployment(
+            split,
+            {Role.ROLLOUT: 1, Role.REWARD: 1},
+            devices_per_host=n,  # one host: the CPU's
+            judged=self.reward.kind == "genrm",
+            pool_held=False,
         )
 
     def validate(self, source: str) -> JobConfig:
@@ -153,9 +142,9 @@ class JobConfig(ConfigStruct):
                 f"int {c.trainer_devices}",
             )
         judged = self.reward.kind == "genrm"
-        if d.kind not in ("pivot", "disaggregated"):
+        if d.kind not in (DeploymentKind.PIVOT, DeploymentKind.DISAGGREGATED):
             return self._check_temperature(source)
-        most = self.shared_devices - (1 if judged and d.kind == "disaggregated" else 0)
+        most = self.shared_devices - (1 if judged and d.kind is DeploymentKind.DISAGGREGATED else 0)
         if d.rollout_devices > most:
             why = "leaving one for the GenRM" if most < self.shared_devices else ""
             raise ConfigError(

@@ -306,6 +306,10 @@ class Workload:
     def sampler(self, seed: int) -> WorkloadSampler:
         return WorkloadSampler(self.config, seed)
 
+    def replica_sizes(self) -> dict[Role, int]:
+        """Devices per replica of each inference role."""
+        return {r: self.model(r).layout.size for r in (Role.ROLLOUT, Role.REWARD)}
+
     def make_engine(self, role: Role, *, seed: int = 0, **options) -> SimInferenceEngine:
         """A simulated replica of ``role`` (options go to SimInferenceEngine: itl_noise, ...)."""
         spec = self.model(role)

@@ -28,7 +28,14 @@ from typing import Annotated, Literal
 import msgspec
 import numpy as np
 
-from pivot.cluster import INFERENCE_ROLES, ClusterSpec, Move, Role, other_inference_role
+from pivot.cluster import (
+    INFERENCE_ROLES,
+    ClusterSpec,
+    Move,
+    Role,
+    other_inference_role,
+    replica_id,
+)
 from pivot.config import ConfigStruct
 from pivot.planning.candidates import BLOCKED, FREE, CandidatePlan, best_plans, wake_groups
 from pivot.planning.cost import CostModel
@@ -364,7 +371,7 @@ def _bottleneck(loads: dict[Role, RoleLoad], baseline: dict[Role, float]) -> lis
 def _new_ids(role: Role, slots: list[tuple[int, ...]], taken: set[str]) -> list[str]:
     ids = []
     for devices in slots:
-        name = base = f"{role.value}@{devices[0]}"
+        name = base = replica_id(role, devices)
         n = 1
         while name in taken:
             n += 1

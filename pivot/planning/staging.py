@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from pivot.cluster import INFERENCE_ROLES, ClusterSpec, Move, Role, other_inference_role
+from pivot.cluster import INFERENCE_ROLES, ClusterSpec, Move, Role, other_inference_role, replica_id
 from pivot.planning.plans import TRAINER_ID, Decision, DoneShift, ShiftPlan
 from pivot.planning.snapshot import ClusterSnapshot, TrainerPhase
 
@@ -78,7 +78,7 @@ class StagePolicy:
         wakes = []
         for slot in self.spec.slots(stage).tolist():
             if all(d in free and d not in held for d in slot):
-                wakes.append(Move("wake", f"{stage.value}@{slot[0]}", stage, tuple(slot)))
+                wakes.append(Move("wake", replica_id(stage, tuple(slot)), stage, tuple(slot)))
         if not leaving and not wakes:
             return Decision(plan=None, reason=f"every device serves {stage.value}")
         moves = (*(Move("evict", r.id, r.role, r.devices) for r in leaving), *wakes)

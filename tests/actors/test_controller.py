@@ -13,18 +13,10 @@ from collections.abc import Iterable
 import pytest
 import structlog
 
-from pivot.actors.agent import RoleAgent
+from pivot.actors.agent import Inline, RoleAgent
 from pivot.actors.controller import Controller, ControllerSettings, open_journal
 from pivot.actors.journal import Journal
-from pivot.actors.messages import (
-    Ack,
-    Assign,
-    Completed,
-    Completion,
-    SubmitSequences,
-    Work,
-    rl_messages,
-)
+from pivot.actors.messages import Ack, Assign, Completed, Completion, SubmitSequences, Work
 from pivot.actors.scheduler import Scheduler
 from pivot.actors.shift_messages import (
     Acquire,
@@ -50,6 +42,7 @@ from pivot.actors.trainer_messages import (
     ReloadTrainer,
     TrainerStatus,
 )
+from pivot.actors.vocabulary import rl_messages
 from pivot.bus import (
     Actor,
     Bus,
@@ -73,7 +66,7 @@ from pivot.engines.protocol import (
     as_context_kinds,
 )
 from pivot.planning.cost import CostModel
-from pivot.planning.planner import PlannerSettings
+from pivot.planning.planner import Planner, PlannerSettings
 from pivot.planning.plans import SequenceMigration
 from pivot.planning.queue import Sequence
 from pivot.planning.routing import RouterSettings, check_ownership, make_router
@@ -349,8 +342,7 @@ class Cluster:
                 device=device,
                 engines=engines,
                 scheduler=SCHEDULERS.get(Role(role)),
-                step_in_thread=False,
-                pace_steps=True,
+                stepping=Inline(pace=True),
                 report_timeout=5.0,
             )
         self.submitted: dict[str, dict[int, Work]] = {"rollout": {}, "reward": {}}
@@ -365,11 +357,15 @@ class Cluster:
             agents={d: a.name for d, a in self.agents.items()},
             schedulers=SCHEDULERS,
             journal=journal,
-            cost_models={Role.ROLLOUT: MODEL, Role.REWARD: MODEL},
+            policy=Planner(
+                self.spec,
+                {Role.ROLLOUT: MODEL, Role.REWARD: MODEL},
+                SETTINGS.planner,
+                {Role.ROLLOUT: ROUTER, Role.REWARD: ROUTER},
+            ),
             models={Role.ROLLOUT: "policy", Role.REWARD: "genrm"},
             trainer="trainer" if self.trainer else None,
             settings=SETTINGS,
-            routers={Role.ROLLOUT: ROUTER, Role.REWARD: ROUTER},
         )
 
     async def start(self) -> None:
@@ -952,7 +948,7 @@ def test_acquire_reads_weights_from_gps_and_release_frees_the_device():
                 engines={"rollout": engine},
                 weights={"rollout": loader},
                 models={"rollout": "policy"},
-                step_in_thread=False,
+                stepping=Inline(),
             )
             client = Actor("client", bus)
             await agent.start()
@@ -1006,9 +1002,7 @@ def test_a_member_of_a_multi_device_replica_holds_the_role_without_an_engine():
     async def main(clock):
         bus = Bus.local(rl_messages(), transport=LocalTransport(), clock=clock)
         engine = ScriptEngine()
-        member = RoleAgent(
-            "agent-1", bus, device=1, engines={"reward": engine}, step_in_thread=False
-        )
+        member = RoleAgent("agent-1", bus, device=1, engines={"reward": engine}, stepping=Inline())
         client = Actor("client", bus)
         await member.start()
         await client.start()

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 
 import pytest
 
-from pivot.actors.agent import RoleAgent
+from pivot.actors.agent import Inline, RoleAgent
 from pivot.actors.driver import Driver
 from pivot.actors.messages import (
     Abort,
@@ -22,11 +22,11 @@ from pivot.actors.messages import (
     SchedulerStatus,
     SubmitSequences,
     Work,
-    rl_messages,
 )
 from pivot.actors.scheduler import Scheduler
 from pivot.actors.sources import TaskSource
 from pivot.actors.trainer_messages import TrainBatch, Trained
+from pivot.actors.vocabulary import rl_messages
 from pivot.bus import Actor, Bus, LocalTransport, handles, run_virtual
 from pivot.cluster import Role
 from pivot.engines.protocol import (
@@ -155,7 +155,7 @@ def _cluster(
                 engine=engines[-1],
                 role=role,
                 scheduler="sched" if i < replicas else "judge",
-                step_in_thread=False,
+                stepping=Inline(),
             )
         )
     expected = {"sched": replicas} | ({"judge": judges} if judges else {})
@@ -281,7 +281,7 @@ def test_abort_returns_partial_output_that_redispatch_continues():
         engine = OracleEngine()
         # no scheduler registration in this test: a bare agent driven by hand
         agent = RoleAgent(
-            "agent", bus, engine=engine, role="rollout", scheduler="nobody", step_in_thread=False
+            "agent", bus, engine=engine, role="rollout", scheduler="nobody", stepping=Inline()
         )
         agent.on_start = _no_registration  # type: ignore[method-assign]
         client = Actor("client", bus)

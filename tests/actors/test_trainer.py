@@ -17,7 +17,7 @@ import pytest
 import pytest_asyncio
 import torch
 
-from pivot.actors.messages import Ack, rl_messages
+from pivot.actors.messages import Ack
 from pivot.actors.param_store import ParameterReader
 from pivot.actors.shift_messages import TrainerPhaseChanged
 from pivot.actors.trainer import Trainer, add_trainer_group, fingerprint, trainer_names
@@ -30,6 +30,7 @@ from pivot.actors.trainer_messages import (
     TrainerState,
     TrainerStatus,
 )
+from pivot.actors.vocabulary import rl_messages
 from pivot.bus import Actor, Bus, Directory, LocalTransport, RemoteError, Supervisor, handles
 from pivot.engines.tokenizer import TextCodec, build_tokenizer, save_pretrained
 from pivot.engines.torch_engine import TorchEngine

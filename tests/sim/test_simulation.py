@@ -17,17 +17,14 @@ import structlog
 from toy import ITL, toy_workload
 
 from pivot.actors.simulation import (
-    DeploymentKind,
-    SimulationError,
     SimulationSettings,
-    Split,
-    _Run,
     simulate,
-    sweep_splits,
-    table4_split,
+    simulated_cluster,
 )
+from pivot.actors.testing import FaultPlan, InvariantViolation, MessageFault
 from pivot.bus import configure_logging, run_virtual
 from pivot.cluster import ClusterSpec, Device, Pool, Role, RoleSpec
+from pivot.deployment import DeploymentKind, Split, sweep_splits, table4_split
 from pivot.planning.plans import TRAINER_ID
 from pivot.planning.snapshot import ClusterSnapshot, QueueState, ReplicaState, TrainerPhase
 from pivot.planning.staging import StagePolicy
@@ -94,7 +91,7 @@ def test_more_reward_devices_halve_the_judging_of_a_saturated_reward_stage(tmp_p
 
 def test_colocated_moves_every_device_through_every_stage_each_step(tmp_path):
     workload = toy_workload(tmp_path)
-    split = table4_split(DeploymentKind.COLOCATED, 2, workload)
+    split = table4_split(DeploymentKind.COLOCATED, 2, workload.replica_sizes())
     result = simulate(workload, split, SimulationSettings(steps=2))
     kinds = [m.kind for m in result.marks]
     assert kinds == ["lend_trainer", "shift", "reclaim_trainer"] * 2
@@ -175,6 +172,36 @@ def test_a_controller_crash_mid_shift_recovers_and_the_run_completes(tmp_path, r
     assert result.checks > 5
 
 
+def test_a_dropped_assign_and_delayed_reports_still_score_every_sequence_once(tmp_path):
+    workload = _busy_toy(tmp_path)
+    faults = FaultPlan(
+        messages=(
+            MessageFault(message="Assign", to="agent-0"),  # its sequences go back to the queue
+            MessageFault(message="Finished", action="delay", delay_s=2.0, skip=1, count=3),
+        )
+    )
+
+    async def main(clock):
+        sim = simulated_cluster(
+            clock,
+            workload,
+            _pivot(workload),
+            SimulationSettings(steps=2, check="tick"),
+            tmp_path / "j.bin",
+            faults=faults,
+        )
+        assembly = await sim.cluster.run()
+        return sim.cluster, assembly.driver.reports
+
+    cluster, reports = run_virtual(main)
+    assert cluster.transport.hits == [1, 3]
+    assert [r.samples for r in reports] == [16, 16]
+    assert sum(r.duplicates for r in reports) == 0
+    assert cluster.checks > 5
+    for scheduler in cluster.assembly.schedulers.values():
+        assert scheduler.core.ledger.counts()["done"] == 2 * 16
+
+
 def _deterministic(result) -> bytes:
     return msgspec.json.encode(msgspec.structs.replace(result, wall_s=0.0))
 
@@ -186,7 +213,8 @@ from pivot.bus import configure_logging
 configure_logging("error", stream=io.StringIO())
 import msgspec
 from toy import toy_workload
-from pivot.actors.simulation import DeploymentKind, SimulationSettings, Split, simulate
+from pivot.actors.simulation import SimulationSettings, simulate
+from pivot.deployment import DeploymentKind, Split
 workload = toy_workload(__import__("pathlib").Path({folder!r}), prompts=4, samples=4, sigma=0.8,
                         response=400, per_running=0.005, max_running=16)
 split = Split(kind=DeploymentKind.PIVOT, gpus=8, shared=4, training=4)
@@ -213,27 +241,26 @@ def test_the_checker_catches_a_device_with_the_wrong_role_and_a_lost_sequence(tm
     workload = toy_workload(tmp_path)
 
     async def main(clock):
-        run = _Run(clock, workload, disaggregated(), SimulationSettings(), tmp_path / "j.bin")
-        actors = [run.trainer, *run.schedulers.values(), *run.agents.values()]
-        for actor in actors:
-            await actor.start()
+        sim = simulated_cluster(
+            clock, workload, disaggregated(), SimulationSettings(), tmp_path / "j.bin"
+        )
+        cluster = sim.cluster
+        await cluster.supervisor.start()  # the driver has not run yet: nothing submitted
         try:
-            run.check()
-            agent = run.agents[1]  # the reward replica's device
+            cluster.check()
+            agent = cluster.assembly.agents[1]  # the reward replica's device
             agent.role = Role.ROLLOUT
-            with pytest.raises(SimulationError, match="device 1"):
-                run.check()
+            with pytest.raises(InvariantViolation, match="device 1"):
+                cluster.check()
             agent.role = Role.REWARD
-            run.check()
+            cluster.check()
             # a sequence the ledger knows but no queue or replica holds
-            run.schedulers[Role.ROLLOUT].core.ledger.submit(
-                99, run.schedulers[Role.ROLLOUT].core._owner
-            )
+            rollout = cluster.assembly.schedulers[Role.ROLLOUT]
+            rollout.core.ledger.submit(99, rollout.core._owner)
             with pytest.raises(AssertionError):
-                run.check()
+                cluster.check()
         finally:
-            for actor in reversed(actors):
-                await actor.stop()
+            await cluster.supervisor.stop()
 
     run_virtual(main)
 
@@ -243,29 +270,31 @@ def test_the_checker_catches_a_device_with_the_wrong_role_and_a_lost_sequence(tm
 
 def test_table4_splits_scale_the_seeds_first_group():
     workload = load_workload("configs/sim/qwen2.5-1.5b_glm-z1-9b.toml")
-    d = table4_split("disaggregated", 32, workload)
+    d = table4_split("disaggregated", 32, workload.replica_sizes())
     assert (d.rollout, d.reward, d.training) == (8, 8, 16)
-    r = table4_split("rr-colocated", 32, workload)
+    r = table4_split("rr-colocated", 32, workload.replica_sizes())
     assert (r.shared, r.training) == (16, 16)
-    assert table4_split("colocated", 32, workload).shared == 32
-    p = table4_split("pivot", 32, workload)
+    assert table4_split("colocated", 32, workload.replica_sizes()).shared == 32
+    p = table4_split("pivot", 32, workload.replica_sizes())
     assert (p.shared, p.training) == (16, 16)
-    d = table4_split("disaggregated", 128, workload)
+    d = table4_split("disaggregated", 128, workload.replica_sizes())
     assert (d.rollout, d.reward, d.training) == (32, 32, 64)
 
 
 def test_sweeps_cover_whole_replicas_and_every_device():
     workload = load_workload("configs/sim/qwen2.5-7b_qwen3-30b-a3b.toml")  # reward TP4
-    splits = sweep_splits("disaggregated", 32, workload)
+    splits = sweep_splits("disaggregated", 32, workload.replica_sizes())
     assert len(splits) == 21  # eighths: training 1..6, then rollout and reward >= 1
     for s in splits:
         assert s.rollout + s.reward + s.training == 32 and s.reward % 4 == 0
-    assert table4_split("disaggregated", 32, workload) in splits
-    assert [s.training for s in sweep_splits("rr-colocated", 32, workload)] == list(range(4, 29, 4))
+    assert table4_split("disaggregated", 32, workload.replica_sizes()) in splits
+    assert [s.training for s in sweep_splits("rr-colocated", 32, workload.replica_sizes())] == list(
+        range(4, 29, 4)
+    )
     # PivotRL's one static choice is the trainer pool it lends
-    pools = sweep_splits("pivot", 32, workload)
+    pools = sweep_splits("pivot", 32, workload.replica_sizes())
     assert [(s.shared, s.training) for s in pools] == [(32 - t, t) for t in range(4, 29, 4)]
-    assert table4_split("pivot", 32, workload) in pools
+    assert table4_split("pivot", 32, workload.replica_sizes()) in pools
 
 
 def _spec(devices: int) -> ClusterSpec:

@@ -1,0 +1,367 @@
+"""One deployment, assembled once: the builder that turns a ``pivot.deployment.Deployment``
+into running actors under the bus ``Supervisor``.
+
+``assemble`` adds, in start order, the Schedulers (one per inference role the job serves), the
+trainer, one RoleAgent per agent device, the Controller (when the deployment has one, with the
+planner or the stage policy its kind calls for, passed in), the caller's watchers and the
+Driver. ``pivot run`` (nng, the real clock, torch engines and DeepSpeed ranks in child
+processes), ``pivot simulate`` and the test kit's ``LocalCluster`` (the local transport, the
+virtual clock, simulated engines in process) and a user's own pipeline all call it. What differs
+between them is the ``Backend`` they pass (which engines and which trainer, in which process)
+and their settings, never a flag inside an actor.
+
+    assemble(deployment, bus, supervisor, *, backend, source, steps, driver=DriverOptions(),
+             control=None, watchers=()) -> Assembly
+    Assembly: .deployment .supervisor .driver .controller .schedulers .agents .trainer
+              .actor(name)
+    DRIVER, CONTROLLER, TRAINER, MONITOR, SCHEDULERS, agent_name(device)   the actors' names
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol
+
+import msgspec
+
+from pivot.actors.agent import RoleAgent, Stepping, WeightLoader
+from pivot.actors.controller import Controller, ControllerSettings
+from pivot.actors.driver import Driver, StepReport
+from pivot.actors.journal import Journal
+from pivot.actors.scheduler import Scheduler
+from pivot.actors.shift_messages import AllocationReport, QueryAllocation, TrainerPhaseChanged
+from pivot.actors.sources import Source
+from pivot.bus import Actor, Bus, RestartPolicy, Supervisor
+from pivot.bus.supervisor import ActorFactory
+from pivot.cluster import INFERENCE_ROLES, Role, RoleSpec
+from pivot.deployment import Deployment
+from pivot.engines.protocol import InferenceEngine
+from pivot.planning.cost import CostModel
+from pivot.planning.planner import Planner
+from pivot.planning.plans import ShiftPolicy
+from pivot.planning.routing import Router, RouterSettings
+from pivot.planning.staging import StagePolicy
+
+DRIVER = "driver"
+CONTROLLER = "controller"
+TRAINER = "trainer"
+MONITOR = "monitor"  # a real job's watcher (pivot run's live panel and plot)
+SCHEDULERS: dict[Role, str] = {Role.ROLLOUT: "rollout-scheduler", Role.REWARD: "reward-scheduler"}
+
+#: Actors whose loss the job cannot survive by restarting one: a crash stops the job.
+ONCE = RestartPolicy(restart="never")
+
+
+def agent_name(device: int) -> str:
+    return f"agent-{device}"
+
+
+class AgentStart(msgspec.Struct, frozen=True, kw_only=True):
+    """What one agent starts as: its device, role, replica and the replica's devices, the
+    scheduler it reports to, and the roles whose engine it keeps (its persistent context)."""
+
+    name: str
+    device: int
+    role: Role
+    replica: str | None
+    devices: tuple[int, ...]
+    scheduler: str | None
+    engine_roles: tuple[Role, ...]
+
+
+class AgentParts(NamedTuple):
+    """An agent in this process: one engine per role it may serve, where each role's weights
+    are read on Acquire, the model each role runs, and how it steps its engine."""
+
+    engines: Mapping[Role, InferenceEngine]
+    weights: Mapping[Role, WeightLoader]
+    models: Mapping[Role, str]
+    stepping: Stepping
+
+
+class ChildProcess(NamedTuple):
+    """An actor in a supervised child process: ``target`` is ``"module:function"``, called
+    there as ``function(name, **kwargs)`` (see ``Supervisor.add_process``)."""
+
+    target: str
+    kwargs: dict[str, Any]
+    env: dict[str, str]
+    ready_timeout: float
+
+
+class Backend(Protocol):
+    """What differs between a real job, a simulated one and a user's pipeline: the engines
+    and the trainer, and where they run (in this process, or in supervised child processes).
+    The builder makes every actor from what it returns."""
+
+    def router(self, role: Role) -> Router:
+        """A fresh router for ``role``'s scheduler (called at each scheduler start)."""
+        ...
+
+    def agent(self, agent: AgentStart) -> Callable[[], AgentParts] | ChildProcess:
+        """How to make the engines of the agent ``agent`` describes (called at each start of
+        an agent in this process), or the child process that hosts it."""
+        ...
+
+    def add_trainer(
+        self,
+        supervisor: Supervisor,
+        bus: Bus,
+        name: str,
+        deployment: Deployment,
+        controller: str | None,
+    ) -> None:
+        """Supervise the trainer (``name``) of ``deployment.trainer_devices``; ``controller``:
+        whom a batch that finds the pool lent asks for it (None: the trainer reloads itself)."""
+        ...
+
+
+@dataclass(frozen=True)
+class DriverOptions:
+    """The RL loop's settings. ``staleness``: batches that may run ahead of training (0:
+    synchronous). ``announce_batches``: tell the Controller a batch is ready before asking
+    the trainer (a real job: its Controller reclaims the pool now, not at its next tick).
+    ``wait_for_controller``: step 0 starts once the Controller has recovered and lent the idle
+    trainer pool (a real job, whose processes start at their own pace)."""
+
+    staleness: int = 0
+    on_step: Callable[[StepReport], None] | None = None
+    announce_batches: bool = False
+    wait_for_controller: bool = False
+    request_timeout: float = 30.0
+    train_timeout: float = 600.0
+
+
+@dataclass(frozen=True)
+class Control:
+    """What the Controller needs besides the deployment. ``journal`` opens the shift journal
+    at each (re)start; ``wrap_policy`` may wrap the planner or stage policy (the test kit's
+    invariant checker does); ``restart``: the Controller's restart policy."""
+
+    settings: ControllerSettings
+    journal: Callable[[], Journal]
+    roles: Mapping[Role, RoleSpec]
+    cost_models: Mapping[Role, CostModel]
+    models: Mapping[Role, str] | None = None
+    routers: Mapping[Role, RouterSettings] | None = None
+    timer: Callable[[], float] | None = None
+    wrap_policy: Callable[[ShiftPolicy], ShiftPolicy] | None = None
+    restart: RestartPolicy = field(default_factory=lambda: ONCE)
+
+
+class Assembly:
+    """The actors of one deployment, by name; in-process ones through the supervisor."""
+
+    def __init__(self, deployment: Deployment, supervisor: Supervisor, driver: Driver) -> None:
+        self.deployment = deployment
+        self.supervisor = supervisor
+        self.driver = driver
+        self.scheduler_names = {r: SCHEDULERS[r] for r in deployment.roles}
+        self.agent_names = {d: agent_name(d) for d in deployment.agent_devices}
+
+    def actor(self, name: str) -> Actor | None:
+        """The current instance of an in-process actor (None for a child process's)."""
+        return self.supervisor.actor(name)
+
+    @property
+    def controller(self) -> Controller | None:
+        return self.actor(CONTROLLER) if self.deployment.managed else None  # type: ignore[return-value]
+
+    @property
+    def schedulers(self) -> dict[Role, Scheduler]:
+        return {r: self.actor(n) for r, n in self.scheduler_names.items()}  # type: ignore[misc]
+
+    @property
+    def agents(self) -> dict[int, RoleAgent]:
+        """The in-process agents by device."""
+        out = {}
+        for device, name in self.agent_names.items():
+            agent = self.actor(name)
+            if agent is not None:
+                out[device] = agent
+        return out  # type: ignore[return-value]
+
+    @property
+    def trainer(self) -> Actor | None:
+        return self.actor(TRAINER)
+
+
+def assemble(
+    deployment: Deployment,
+    bus: Bus,
+    supervisor: Supervisor,
+    *,
+    backend: Backend,
+    source: Source,
+    steps: int,
+    driver: DriverOptions | None = None,
+    control: Control | None = None,
+    watchers: Sequence[tuple[str, ActorFactory]] = (),
+) -> Assembly:
+    """Add the deployment's actors to ``supervisor`` (see the module docstring); start it to
+    run the job. A deployment with a Controller needs ``control``."""
+    driver = driver or DriverOptions()
+    if deployment.managed and control is None:
+        raise ValueError(f"a {deployment.kind.value} deployment needs its Controller's settings")
+    schedulers = {r: SCHEDULERS[r] for r in deployment.roles}
+    for role, name in schedulers.items():
+        supervisor.add_actor(
+            name,
+            lambda role=role, name=name: Scheduler(
+                name, bus, role=role, router=backend.router(role), downstream=DRIVER
+            ),
+            policy=ONCE,
+        )
+    lends = CONTROLLER if deployment.lends_trainer else None
+    backend.add_trainer(supervisor, bus, TRAINER, deployment, lends)
+    for device in deployment.agent_devices:
+        placed = deployment.placement(device)
+        role = placed.role if placed is not None else Role.FREE
+        _add_agent(
+            supervisor,
+            bus,
+            backend,
+            AgentStart(
+                name=agent_name(device),
+                device=device,
+                role=role,
+                replica=placed.replica if placed is not None else None,
+                devices=placed.devices if placed is not None else (),
+                scheduler=schedulers.get(role),
+                engine_roles=deployment.engine_roles(device),
+            ),
+        )
+    the_driver = Driver(
+        DRIVER,
+        bus,
+        source=source,
+        steps=steps,
+        staleness=driver.staleness,
+        rollout_scheduler=schedulers[Role.ROLLOUT],
+        reward_scheduler=schedulers.get(Role.REWARD),
+        trainer=TRAINER,
+        on_step=driver.on_step,
+        # step timings mean something once rollout serves (every agent in this process, or
+        # supervised, has registered before the driver starts anyway)
+        replicas={schedulers[Role.ROLLOUT]: deployment.replicas(Role.ROLLOUT)},
+        request_timeout=driver.request_timeout,
+        train_timeout=driver.train_timeout,
+    )
+    assembly = Assembly(deployment, supervisor, the_driver)
+    # the hooks make requests as the driver, so they are bound once it exists
+    if driver.announce_batches and deployment.lends_trainer:
+        the_driver.on_batch_ready = functools.partial(_announce_batch, the_driver)
+    if driver.wait_for_controller and deployment.managed:
+        the_driver.before_first_step = functools.partial(_controller_ready, the_driver)
+    if control is not None and deployment.managed:
+        supervisor.add_actor(
+            CONTROLLER,
+            lambda: _controller(deployment, bus, control, schedulers, the_driver, driver),
+            policy=control.restart,
+        )
+    for name, factory in watchers:
+        supervisor.add_actor(name, factory, policy=ONCE)
+    supervisor.add_actor(DRIVER, lambda: the_driver, policy=ONCE)
+    return assembly
+
+
+def _add_agent(supervisor: Supervisor, bus: Bus, backend: Backend, start: AgentStart) -> None:
+    made = backend.agent(start)
+    if isinstance(made, ChildProcess):
+        supervisor.add_process(
+            start.name,
+            made.target,
+            kwargs=made.kwargs,
+            env=made.env,
+            ready_timeout=made.ready_timeout,
+        )
+        return
+
+    def agent() -> RoleAgent:
+        parts = made()  # fresh engines at every start
+        return RoleAgent(
+            start.name,
+            bus,
+            role=start.role.value,
+            scheduler=start.scheduler,
+            replica=start.replica,
+            devices=start.devices or None,
+            device=start.device,
+            engines=parts.engines,
+            weights=parts.weights,
+            models=parts.models,
+            stepping=parts.stepping,
+        )
+
+    supervisor.add_actor(start.name, agent)
+
+
+def _controller(
+    deployment: Deployment,
+    bus: Bus,
+    control: Control,
+    schedulers: Mapping[Role, str],
+    driver: Driver,
+    options: DriverOptions,
+) -> Controller:
+    spec = deployment.cluster_spec(control.roles)
+    assert spec is not None
+    policy: ShiftPolicy
+    if deployment.policy == "planner":
+        policy = Planner(
+            spec, control.cost_models, control.settings.planner, control.routers, control.timer
+        )
+    else:
+        # batches overlap only with staleness: then serve the oldest one's stage first
+        policy = StagePolicy(spec, driver.oldest_open_stage if options.staleness else None)
+    if control.wrap_policy is not None:
+        policy = control.wrap_policy(policy)
+    return Controller(
+        CONTROLLER,
+        bus,
+        spec=spec,
+        agents={d: agent_name(d) for d in range(deployment.managed)},
+        schedulers={r: SCHEDULERS[r] for r in INFERENCE_ROLES},
+        journal=control.journal(),
+        policy=policy,
+        models=control.models,
+        trainer=TRAINER if deployment.lends_trainer else None,
+        settings=control.settings,
+    )
+
+
+async def _controller_ready(driver: Driver) -> None:
+    """Step 0 starts once the Controller has recovered and lent the idle trainer pool."""
+    while True:
+        report = await driver.request(
+            CONTROLLER, QueryAllocation(), expect=AllocationReport, timeout=30.0
+        )
+        lent = not any(m.role is Role.TRAINING for m in report.replicas)
+        if report.recovered and report.txn is None and lent:
+            return
+        await driver.clock.sleep(0.05)
+
+
+async def _announce_batch(driver: Driver) -> None:
+    """Tell the Controller the trainer needs its pool back now, not at its next tick."""
+    await driver.request(CONTROLLER, TrainerPhaseChanged(phase="ready"), timeout=10.0)
+
+
+__all__ = [
+    "CONTROLLER",
+    "DRIVER",
+    "MONITOR",
+    "SCHEDULERS",
+    "TRAINER",
+    "AgentParts",
+    "AgentStart",
+    "Assembly",
+    "Backend",
+    "ChildProcess",
+    "Control",
+    "DriverOptions",
+    "agent_name",
+    "assemble",
+]

@@ -1,0 +1,386 @@
+"""pivot's test kit, shipped as ``trio.testing`` ships with trio and ``ray.cluster_utils`` with
+Ray: what tests and users checking their own deployment both need.
+
+* ``LocalCluster``: any deployment (``pivot.deployment``) assembled by the one builder
+  (``pivot.actors.assembly``) on the local transport and the virtual clock, run to the end of
+  its steps, with the invariants checked while it runs and faults injected from a plan.
+* ``InvariantChecker``: every sequence owned once (queue, replica or done) and held by one
+  agent; every device one role, the agents agreeing with the Controller's allocation and the
+  schedulers routing to exactly its replicas; the trainer holding its pool exactly when the
+  allocation gives it the pool.
+* ``FaultPlan``: crash the Controller right before its n-th journal record (a new one starts
+  on the same journal after ``restart_after_s``); drop or delay requests by type and
+  destination (``MessageFault``, on the ``FaultyTransport``).
+
+The scripted engine and the engine conformance suite are pure and live beside the engines
+(``pivot.engines``); cluster-snapshot builders beside the planner (``pivot.planning``).
+
+    LocalCluster(clock, deployment, *, backend, source, steps, driver=DriverOptions(),
+                 control=None, faults=None, check="shift", watchers=())
+        await .run(at_end=None) -> Assembly     the actors, stopped, after the last step
+        .check()                     the invariants now (raises InvariantViolation)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from pivot.actors.assembly import (
+    CONTROLLER,
+    Assembly,
+    Backend,
+    Control,
+    DriverOptions,
+    assemble,
+)
+from pivot.actors.driver import StepReport
+from pivot.actors.journal import Journal
+from pivot.actors.sources import Source
+from pivot.bus import Bus, LocalTransport, RequestTimeout, RestartPolicy, Supervisor
+from pivot.bus.supervisor import ActorFactory
+from pivot.cluster import Allocation, Role
+from pivot.deployment import Deployment, Placement
+from pivot.planning.plans import Decision, DoneShift, ShiftPolicy
+from pivot.planning.routing import check_ownership
+from pivot.planning.snapshot import ClusterSnapshot
+
+__all__ = [
+    "FaultPlan",
+    "FaultyTransport",
+    "MessageFault",
+    "InjectedCrash",
+    "InvariantChecker",
+    "InvariantViolation",
+    "LocalCluster",
+]
+
+
+class InvariantViolation(AssertionError):
+    """A deployment broke an invariant; the message says which and where."""
+
+
+class InjectedCrash(RuntimeError):
+    """The fault a ``FaultPlan`` injected."""
+
+
+class MessageFault(msgspec.Struct, frozen=True, kw_only=True):
+    """Drop or delay requests of type ``message`` (a class name) sent to ``to`` (None: any
+    actor): the ``skip`` first matching ones pass, then ``count`` of them are hit. A dropped
+    request never arrives (its sender times out, as over a lost connection); a delayed one
+    arrives ``delay_s`` later on the cluster's clock."""
+
+    message: str
+    to: str | None = None
+    action: Literal["drop", "delay"] = "drop"
+    delay_s: float = 1.0
+    skip: int = 0
+    count: int = 1
+
+
+class FaultPlan(msgspec.Struct, frozen=True, kw_only=True):
+    """Faults to inject into a local cluster. ``crash_controller_before_record``: the first
+    Controller dies right before writing that journal record (1-based); a new one, on the same
+    journal, starts ``restart_after_s`` later and recovers. ``messages``: requests dropped or
+    delayed on the way."""
+
+    crash_controller_before_record: int | None = None
+    restart_after_s: float = 5.0
+    messages: tuple[MessageFault, ...] = ()
+
+
+class FaultyTransport(LocalTransport):
+    """The local transport with a plan's message faults; ``hits`` counts what each fault
+    (by index in the plan) did."""
+
+    def __init__(self, faults: Sequence[MessageFault]) -> None:
+        super().__init__()
+        self.faults = list(faults)
+        self.hits = [0] * len(self.faults)
+        self._seen = [0] * len(self.faults)
+        self.decode: Callable[[bytes], Any] | None = None  # the bus codec's, once it exists
+
+    async def request(self, to: str, frame: bytes, timeout: float) -> bytes:
+        fault = self._match(to, frame)
+        if fault is not None and fault.action == "drop":
+            # never delivered: the sender waits out its timeout, as for a lost request
+            await asyncio.sleep(timeout)
+            raise RequestTimeout(to, timeout)
+        if fault is not None:
+            await asyncio.sleep(fault.delay_s)
+        return await super().request(to, frame, timeout)
+
+    def _match(self, to: str, frame: bytes) -> MessageFault | None:
+        if not self.faults or self.decode is None:
+            return None
+        kind = type(self.decode(frame).body).__name__
+        for i, fault in enumerate(self.faults):
+            if fault.message != kind or (fault.to is not None and fault.to != to):
+                continue
+            self._seen[i] += 1
+            if fault.skip < self._seen[i] <= fault.skip + fault.count:
+                self.hits[i] += 1
+                return fault
+        return None
+
+
+class _CrashingJournal(Journal):
+    """Raises before writing its n-th record: the Controller dies mid-shift."""
+
+    def __init__(self, path: Path, *, type_: Any, fsync: bool, before: int) -> None:
+        super().__init__(path, type_=type_, fsync=fsync)
+        self.before = before
+
+    def append(self, record: Any) -> None:
+        if self.appended + 1 == self.before:
+            self.before = -1
+            raise InjectedCrash(
+                f"injected Controller crash before journal record {self.appended + 1}"
+            )
+        super().append(record)
+
+
+class InvariantChecker:
+    """The invariants of one assembled deployment (see the module docstring)."""
+
+    def __init__(self, assembly: Assembly) -> None:
+        self.assembly = assembly
+        self.checks = 0
+
+    def check(self) -> None:
+        self.checks += 1
+        a = self.assembly
+        agents = a.agents
+        schedulers = a.schedulers
+        for role, scheduler in schedulers.items():
+            check_ownership(scheduler.core.ledger, scheduler.core)
+            seen: dict[int, str] = {}
+            for agent in agents.values():
+                if agent.role is not role:
+                    continue
+                for seq_id in agent.held_sequences:
+                    other = seen.setdefault(seq_id, agent.name)
+                    if other != agent.name:
+                        raise InvariantViolation(
+                            f"{role.value} sequence {seq_id} runs on {other} and {agent.name}"
+                        )
+        deployment = a.deployment
+        unmanaged = {d: p for d, p in deployment.placements.items() if d >= deployment.managed}
+        controller = a.controller
+        if controller is None or not controller.recovered.is_set():
+            # before recovery the Controller's devices hold what they started with
+            expected = dict(unmanaged) if controller is not None else dict(deployment.placements)
+            self._check_devices(agents, expected)
+            return
+        allocation: Allocation = controller.allocation
+        expected = dict(unmanaged)
+        for replica in allocation.replicas.values():
+            for d in replica.devices:
+                expected[d] = Placement(replica.role, replica.id, replica.devices)
+        for d in range(deployment.managed):
+            expected.setdefault(d, Placement(Role.FREE, "", ()))
+        self._check_devices(agents, expected)
+        for role, scheduler in schedulers.items():
+            routed = set(scheduler.routes)
+            want = {r.id for r in allocation.of_role(role)}
+            if routed != want:
+                raise InvariantViolation(
+                    f"{role.value} scheduler routes to {sorted(routed)}, the allocation has "
+                    f"{sorted(want)}"
+                )
+            if scheduler.cut:
+                raise InvariantViolation(
+                    f"{role.value} routing still cut from {sorted(scheduler.cut)}"
+                )
+        trainer = a.trainer
+        if deployment.lent_pool and trainer is not None:
+            holds = bool(allocation.of_role(Role.TRAINING))
+            held = trainer.holds_pool  # type: ignore[attr-defined]
+            if holds != held:
+                raise InvariantViolation(
+                    f"the allocation {'gives' if holds else 'lends'} the trainer pool but the "
+                    f"trainer is {'awake' if held else 'offloaded'}"
+                )
+
+    @staticmethod
+    def _check_devices(agents: Mapping[int, Any], expected: Mapping[int, Placement]) -> None:
+        for d, agent in agents.items():
+            want = expected.get(d, Placement(Role.FREE, "", ()))
+            have = (agent.role, agent.replica or "", tuple(agent.devices))
+            if have != (want.role, want.replica, tuple(want.devices)):
+                raise InvariantViolation(
+                    f"device {d}: agent holds {have[0].value} {have[1]!r} on {list(have[2])}, "
+                    f"expected {want.role.value} {want.replica!r} on {list(want.devices)}"
+                )
+
+
+class _CheckedPolicy:
+    """Wraps the Controller's planner (or stage policy): checks the invariants before a
+    decision, when no shift is in flight and the allocation changed (or at every tick)."""
+
+    def __init__(
+        self,
+        inner: ShiftPolicy,
+        check: Callable[[], None],
+        allocation: Callable[[], Allocation | None],
+        every_tick: bool,
+    ) -> None:
+        self.inner = inner
+        self.check = check
+        self.allocation = allocation
+        self.every_tick = every_tick
+        self._checked: Allocation | None = None
+
+    def record_shift_time(self, seconds: float) -> None:
+        self.inner.record_shift_time(seconds)
+
+    def resume(self, done: Sequence[DoneShift]) -> None:
+        self.inner.resume(done)
+
+    def decide(self, snapshot: ClusterSnapshot) -> Decision:
+        current = self.allocation()
+        if not snapshot.shift_in_flight and (self.every_tick or current is not self._checked):
+            self.check()
+            self._checked = current
+        return self.inner.decide(snapshot)
+
+
+class LocalCluster:
+    """One deployment on the local transport and ``clock`` (a virtual clock; see
+    ``pivot.bus.run_virtual``), checked as it runs: at every step end and whenever the
+    allocation changed (``check="tick"``: at every Controller tick), and once more at the end.
+    ``control.journal`` is opened afresh at each Controller (re)start; a ``FaultPlan``'s crash
+    replaces the first one."""
+
+    def __init__(
+        self,
+        clock: Any,
+        deployment: Deployment,
+        *,
+        backend: Backend,
+        source: Source,
+        steps: int,
+        driver: DriverOptions | None = None,
+        control: Control | None = None,
+        faults: FaultPlan | None = None,
+        check: Literal["shift", "tick"] = "shift",
+        watchers: Sequence[tuple[str, ActorFactory]] = (),
+        messages: Sequence[type] | None = None,
+    ) -> None:
+        from pivot.actors.vocabulary import rl_messages
+
+        self.clock = clock
+        self.deployment = deployment
+        self.transport = FaultyTransport(faults.messages if faults is not None else ())
+        self.bus = Bus.local(
+            list(messages) if messages is not None else rl_messages(),
+            transport=self.transport,
+            clock=clock,
+        )
+        self.transport.decode = self.bus.codec.decode_request
+        # an actor that crashes stops the run (the Controller may restart, per its policy)
+        self.supervisor = Supervisor(clock=clock, policy=RestartPolicy(restart="never"))
+        self.journals: list[Journal] = []
+        self.checker: InvariantChecker | None = None
+        driver = driver or DriverOptions()
+        user_step = driver.on_step
+
+        def on_step(report: StepReport) -> None:
+            if user_step is not None:
+                user_step(report)
+            controller = self.assembly.controller
+            if controller is None or controller.shift is None:
+                self.check()
+
+        if control is not None:
+            control = self._checked_control(control, faults, every_tick=check == "tick")
+        self.assembly = assemble(
+            deployment,
+            self.bus,
+            self.supervisor,
+            backend=backend,
+            source=source,
+            steps=steps,
+            driver=dataclasses.replace(driver, on_step=on_step),
+            control=control,
+            watchers=watchers,
+        )
+        self.checker = InvariantChecker(self.assembly)
+
+    @property
+    def checks(self) -> int:
+        return self.checker.checks if self.checker is not None else 0
+
+    @property
+    def restarts(self) -> int:
+        """How often the Controller was restarted (after an injected crash)."""
+        return self.supervisor.restarts(CONTROLLER)
+
+    def check(self) -> None:
+        assert self.checker is not None
+        self.checker.check()
+
+    def _checked_control(
+        self, control: Control, faults: FaultPlan | None, *, every_tick: bool
+    ) -> Control:
+        opened = control.journal
+        crash = faults.crash_controller_before_record if faults is not None else None
+
+        def journal() -> Journal:
+            made = opened()
+            if crash is not None and not self.journals:
+                made.close()
+                made = _CrashingJournal(made.path, type_=made.type_, fsync=made.fsync, before=crash)
+            self.journals.append(made)
+            return made
+
+        def wrap(policy: ShiftPolicy) -> ShiftPolicy:
+            inner = control.wrap_policy(policy) if control.wrap_policy is not None else policy
+            return _CheckedPolicy(inner, self.check, self._allocation, every_tick)
+
+        restart = control.restart
+        if faults is not None and crash is not None:
+            restart = RestartPolicy(
+                restart="on_failure",
+                max_restarts=1_000_000,
+                backoff=faults.restart_after_s,
+                backoff_factor=1.0,
+                backoff_max=faults.restart_after_s,
+            )
+        return dataclasses.replace(control, journal=journal, wrap_policy=wrap, restart=restart)
+
+    def _allocation(self) -> Allocation | None:
+        controller = self.assembly.controller
+        return controller.allocation if controller is not None else None
+
+    async def run(self, at_end: Callable[[], None] | None = None) -> Assembly:
+        """Start every actor, run until the Driver's last step, check, call ``at_end`` (the
+        actors still running, the clock where the last step left it), stop; the assembly
+        keeps the stopped actors for reading their results."""
+        sup, driver = self.supervisor, self.assembly.driver
+        try:
+            await sup.start()
+            finished = asyncio.ensure_future(driver.finished.wait())
+            failed = asyncio.ensure_future(sup.wait())
+            await asyncio.wait({finished, failed}, return_when=asyncio.FIRST_COMPLETED)
+            if not finished.done():
+                finished.cancel()
+                failed.result()  # raises the escalation: an actor crashed
+                raise InvariantViolation("every actor stopped before the Driver's last step")
+            failed.cancel()
+            controller = self.assembly.controller
+            if controller is None or controller.shift is None:
+                self.check()
+            if at_end is not None:
+                at_end()
+            return self.assembly
+        finally:
+            await sup.stop()
+            await self.bus.close()
+            for journal in self.journals:
+                journal.close()

@@ -1,0 +1,74 @@
+"""The job's vocabulary: every message the actors exchange, listed (one tagged union: the
+codec is built from ``MESSAGES``, never discovered by walking subclasses, so what a process
+can decode does not depend on what it happened to import), and the pub/sub topics.
+
+Whatever must arrive travels as a request (``messages``, ``shift_messages``,
+``trainer_messages``); only what the next sample replaces is published, on these topics:
+
+* ``LOAD_TOPIC``: agents' ``ReplicaLoad`` after each step (routing, the planner's refit);
+* ``SHIFT_TOPIC``: the Controller's ``ShiftStarted``, ``ShiftFinished``, ``AllocationChanged``;
+* ``TRAINER_TOPIC``: the trainer's ``TrainerState`` on each change of state.
+"""
+
+from __future__ import annotations
+
+from pivot.actors import messages as rl
+from pivot.actors import shift_messages as shift
+from pivot.actors import trainer_messages as trainer
+from pivot.actors.messages import RLMessage
+from pivot.actors.sources import SimTrainBatch
+
+LOAD_TOPIC = "load"
+SHIFT_TOPIC = "shift"
+TRAINER_TOPIC = "trainer"
+
+MESSAGES: tuple[type[RLMessage], ...] = (
+    # driver <-> schedulers <-> agents
+    rl.SubmitSequences,
+    rl.Accepted,
+    rl.Completed,
+    rl.QueryStatus,
+    rl.SchedulerStatus,
+    rl.RegisterReplica,
+    rl.Assign,
+    rl.Finished,
+    rl.Abort,
+    rl.Aborted,
+    rl.Ack,
+    rl.ReplicaLoad,
+    # the Controller's shifts
+    shift.CutRouting,
+    shift.RestoreRouting,
+    shift.RemoveReplica,
+    shift.ReplicaRemoved,
+    shift.MigrateSequences,
+    shift.QueryLoad,
+    shift.RoleLoadReport,
+    shift.Evacuate,
+    shift.Evacuated,
+    shift.Describe,
+    shift.Release,
+    shift.Acquire,
+    shift.Register,
+    shift.AgentState,
+    shift.TrainerPhaseChanged,
+    shift.QueryAllocation,
+    shift.AllocationReport,
+    shift.ShiftStarted,
+    shift.ShiftFinished,
+    shift.AllocationChanged,
+    # the trainer
+    trainer.TrainBatch,
+    SimTrainBatch,
+    trainer.Trained,
+    trainer.OffloadTrainer,
+    trainer.ReloadTrainer,
+    trainer.QueryTrainer,
+    trainer.TrainerStatus,
+    trainer.TrainerState,
+)
+
+
+def rl_messages() -> list[type[RLMessage]]:
+    """The message types a job's bus is built with."""
+    return list(MESSAGES)
