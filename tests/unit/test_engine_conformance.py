@@ -106,8 +106,8 @@ def counting_script(prompt: tuple[int, ...], sampling: SamplingParams) -> list[i
     return [(start + 3 * i) % 50 + 1 for i in range(sampling.max_new_tokens)]
 
 
-def scripted_factory(engine: type[ScriptedEngine] = ScriptedEngine) -> EngineFactory:
-    return EngineFactory(name=engine.__name__, make=lambda: engine(counting_script))
+def scripted_factory(engine: type[ScriptedEngine] = ScriptedEngine, **kw) -> EngineFactory:
+    return EngineFactory(name=engine.__name__, make=lambda: engine(counting_script, **kw))
 
 
 @pytest.mark.parametrize(
@@ -119,8 +119,20 @@ def scripted_factory(engine: type[ScriptedEngine] = ScriptedEngine) -> EngineFac
         lambda: sim_factory(token_events=False),
         lambda: sim_factory(placeholders=True, token_events=False),
         scripted_factory,
+        # as the controller tests build it: step latencies and prefill times reported
+        lambda: scripted_factory(
+            cost_model=HAND, prefill_s=0.001, max_running=4, eos_token_ids=[2]
+        ),
     ],
-    ids=["torch", "sim", "sim-placeholders", "sim-no-events", "sim-counts-only", "scripted"],
+    ids=[
+        "torch",
+        "sim",
+        "sim-placeholders",
+        "sim-no-events",
+        "sim-counts-only",
+        "scripted",
+        "scripted-timed",
+    ],
 )
 def test_engine_passes_the_conformance_suite(factory):
     check_engine(factory())
