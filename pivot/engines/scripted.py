@@ -192,7 +192,10 @@ class ScriptedEngine:
                 f"(tokens this engine would not have produced)"
             )
         if len(generated) >= len(want):
-            raise ValueError(f"sequence {seq_id!r}: generated_ids already end the script")
+            raise ValueError(
+                f"sequence {seq_id!r}: the script gives {len(want)} tokens, none left after "
+                f"the {len(generated)} handed in"
+            )
         self.added.append((seq_id, len(generated)))
         self._waiting.append(
             _Scripted(
