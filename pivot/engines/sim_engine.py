@@ -48,11 +48,11 @@ from typing import Annotated
 import msgspec
 
 from pivot.config import ConfigStruct
+from pivot.engines.context import RoleContext
 from pivot.engines.protocol import (
     ContextKind,
     DuplicateSequence,
     EngineError,
-    EngineNotServing,
     EngineStats,
     FinishedSequence,
     FinishReason,
@@ -62,7 +62,6 @@ from pivot.engines.protocol import (
     SeqId,
     StepOutput,
     TokenEvent,
-    as_context_kinds,
 )
 from pivot.planning.cost import ITL_FLOOR_S, CostModel
 
@@ -206,64 +205,27 @@ class SimInferenceEngine:
         self._last_step_s = 0.0
         self._mean_step_s = 0.0
         self.weights_version = weights_version
-        self._released: set[ContextKind] = set()
-        self._weights_held = True
-        self._weights_loaded = True  # a simulated engine starts serving, like one built loaded
-        self._kv_held = True
+        # a simulated engine holds nothing to free or allocate, and starts serving, like one
+        # built loaded
+        self._context = RoleContext(held_sequences=self._held.__len__)
 
     # ---- context ------------------------------------------------------------------------------
 
     def load_weights(self, named_tensors: NamedTensors, version: int) -> None:
         """Mark the weights loaded at ``version``; the tensors are not read (their transfer
         time is ``ShiftCostModel``'s business). With released weights this resumes them."""
-        if not self._weights_held:
-            self._weights_held = True
-            self._released.discard(ContextKind.WEIGHTS)
-        self._weights_loaded = True
+        self._context.before_load()
+        self._context.loaded()
         self.weights_version = version
 
     def release(self, kinds: Iterable[ContextKind | str]) -> None:
-        """As the torch engine: transient and weights context need an idle engine; stateful
-        has nothing to keep here; persistent context is never released."""
-        wanted = as_context_kinds(kinds)
-        if ContextKind.PERSISTENT in wanted:
-            raise ValueError("persistent context is kept across shifts; it cannot be released")
-        if self._held and wanted & {ContextKind.TRANSIENT, ContextKind.WEIGHTS}:
-            raise EngineNotServing(
-                f"cannot release {sorted(k.value for k in wanted)} while the engine holds "
-                f"{len(self._held)} sequences; abort them first"
-            )
-        if ContextKind.TRANSIENT in wanted:
-            self._kv_held = False
-        if ContextKind.WEIGHTS in wanted:
-            self._weights_held = False
-            self._weights_loaded = False
-        self._released |= wanted
+        """``pivot.engines.context.RoleContext`` has the rules; stateful context has nothing to
+        keep here."""
+        self._context.release(kinds)
 
     def resume(self, kinds: Iterable[ContextKind | str]) -> None:
         """Take context back; resumed weights serve only after ``load_weights``."""
-        wanted = as_context_kinds(kinds)
-        if ContextKind.TRANSIENT in wanted:
-            self._kv_held = True
-        if ContextKind.WEIGHTS in wanted and not self._weights_held:
-            self._weights_held = True
-            self._weights_loaded = False
-        self._released -= wanted
-
-    def _check_serving(self, action: str) -> None:
-        if not self._kv_held:
-            raise EngineNotServing(
-                f"cannot {action}: transient context (KV cache) is released; resume(['transient'])"
-            )
-        if not self._weights_held:
-            raise EngineNotServing(
-                f"cannot {action}: weights are released; load_weights(...) or resume(['weights']) "
-                f"then load_weights(...)"
-            )
-        if not self._weights_loaded:
-            raise EngineNotServing(
-                f"cannot {action}: weights were resumed but not loaded; call load_weights"
-            )
+        self._context.resume(kinds)
 
     # ---- sequences ----------------------------------------------------------------------------
 
@@ -275,7 +237,7 @@ class SimInferenceEngine:
         sampling: SamplingParams | None = None,
         generated_logprobs: Sequence[float] | None = None,
     ) -> None:
-        self._check_serving("add a sequence")
+        self._context.check_serving("add a sequence")
         sampling = sampling or SamplingParams()
         if seq_id in self._held:
             raise DuplicateSequence(f"sequence {seq_id!r} is already in this engine")
@@ -468,7 +430,7 @@ class SimInferenceEngine:
         up to ``max_tokens`` (``None``: no limit) while nothing finishes and the KV cache has
         room; with ``max_cost_s``, only iterations that start within that many seconds (at
         least one). ``cost_s`` is the whole call's cost; token events only for one iteration."""
-        self._check_serving("step")
+        self._context.check_serving("step")
         if max_tokens is not None and max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1 or None, got {max_tokens}")
         if not self._held:
@@ -560,7 +522,8 @@ class SimInferenceEngine:
             last_step_s=self._last_step_s,
             mean_step_s=self._mean_step_s,
             weights_version=self.weights_version,
-            released=tuple(sorted(self._released)),
+            released=self._context.released_kinds(),
+            weights_ready=self._context.weights_ready,
         )
 
     @property

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from pivot.engines.context import RoleContext
 from pivot.engines.protocol import (
     ContextKind,
     DuplicateSequence,
@@ -45,7 +46,6 @@ from pivot.engines.protocol import (
     SeqId,
     StepOutput,
     TokenEvent,
-    as_context_kinds,
 )
 
 _MASK64 = (1 << 64) - 1
@@ -243,12 +243,20 @@ class TorchEngine:
         self._last_step_s = 0.0
         self._mean_step_s = 0.0
         self.weights_version = weights_version
-        self._released: set[ContextKind] = set()
         self._loaded: set[str] = set()
         self._weights: _Weights | None = self._allocate_weights()
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
         self._allocate_kv()
+        self._context = RoleContext(
+            held_sequences=lambda: len(self._running) + len(self._waiting),
+            free_transient=self._free_kv,
+            allocate_transient=self._allocate_kv,
+            free_weights=self._free_weights,
+            allocate_weights=self._resume_weights,
+            unloaded=self._unloaded,
+            weights_loaded=False,
+        )
         self._cos, self._sin = self._rope_tables()
         if tensors is not None:
             self.load_weights(tensors, weights_version)
@@ -337,10 +345,7 @@ class TorchEngine:
         raise ValueError and nothing is copied.
         """
         items = list(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
-        if self._weights is None:
-            self._weights = self._allocate_weights()
-            self._loaded = set()
-            self._released.discard(ContextKind.WEIGHTS)
+        self._context.before_load()
         views = self._weights.views
         plan: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         unknown = []
@@ -372,59 +377,37 @@ class TorchEngine:
             for key, target, tensor in plan:
                 target.copy_(tensor.detach())
                 self._loaded.add(key)
+        self._context.loaded(len(self._loaded) == len(views))
         self.weights_version = version
 
     def release(self, kinds: Iterable[ContextKind | str]) -> None:
-        """Free context: transient drops the KV cache, weights drop the parameters, stateful
-        has nothing to offload here (no CUDA graphs on CPU). Persistent context is never
-        released: close the engine instead. Releasing transient or weights context needs an
-        idle engine: abort its sequences first."""
-        wanted = as_context_kinds(kinds)
-        if ContextKind.PERSISTENT in wanted:
-            raise ValueError("persistent context is kept across shifts; it cannot be released")
-        held = len(self._running) + len(self._waiting)
-        if held and wanted & {ContextKind.TRANSIENT, ContextKind.WEIGHTS}:
-            raise EngineNotServing(
-                f"cannot release {sorted(k.value for k in wanted)} while the engine holds "
-                f"{held} sequences; abort them first"
-            )
-        if ContextKind.TRANSIENT in wanted:
-            self._k = self._v = None
-        if ContextKind.WEIGHTS in wanted:
-            self._weights = None
-            self._loaded = set()
-        self._released |= wanted
+        """Free context (``pivot.engines.context.RoleContext`` has the rules): transient drops
+        the KV cache, weights drop the parameters, stateful has nothing to offload here (no
+        CUDA graphs on CPU)."""
+        self._context.release(kinds)
 
     def resume(self, kinds: Iterable[ContextKind | str]) -> None:
         """Take context back: transient reallocates an empty KV cache; weights allocates
         parameters that must all be loaded (load_weights) before the engine serves again."""
-        wanted = as_context_kinds(kinds)
-        if ContextKind.TRANSIENT in wanted and self._k is None:
-            self._allocate_kv()
-        if ContextKind.WEIGHTS in wanted and self._weights is None:
-            self._weights = self._allocate_weights()
-            self._loaded = set()
-        self._released -= wanted
+        self._context.resume(kinds)
 
-    def _check_serving(self, action: str) -> None:
-        if self._k is None:
-            raise EngineNotServing(
-                f"cannot {action}: transient context (KV cache) is released; resume(['transient'])"
-            )
-        self._check_weights(action)
+    def _free_kv(self) -> None:
+        self._k = self._v = None
 
-    def _check_weights(self, action: str) -> None:
-        if self._weights is None:
-            raise EngineNotServing(
-                f"cannot {action}: weights are released; load_weights(...) or resume(['weights']) "
-                f"then load_weights(...)"
-            )
+    def _free_weights(self) -> None:
+        self._weights = None
+        self._loaded = set()
+
+    def _resume_weights(self) -> None:
+        self._weights = self._allocate_weights()
+        self._loaded = set()
+
+    def _unloaded(self) -> str:
         missing = set(self._weights.views) - self._loaded
-        if missing:
-            raise EngineNotServing(
-                f"cannot {action}: {len(missing)} of {len(self._weights.views)} parameters not "
-                f"loaded since weights were resumed (e.g. {sorted(missing)[0]!r}); call load_weights"
-            )
+        return (
+            f"{len(missing)} of {len(self._weights.views)} parameters not loaded since weights "
+            f"were resumed (e.g. {sorted(missing)[0]!r})"
+        )
 
     # ---- sequences ----------------------------------------------------------------------------
 
@@ -436,7 +419,7 @@ class TorchEngine:
         sampling: SamplingParams | None = None,
         generated_logprobs: Sequence[float] | None = None,
     ) -> None:
-        self._check_serving("add a sequence")
+        self._context.check_serving("add a sequence")
         sampling = sampling or SamplingParams()
         if self._holds(seq_id):
             raise DuplicateSequence(f"sequence {seq_id!r} is already in this engine")
@@ -526,7 +509,7 @@ class TorchEngine:
 
     @torch.inference_mode()
     def step(self) -> StepOutput:
-        self._check_serving("step")
+        self._context.check_serving("step")
         start = self._clock() if self._clock else 0.0
         decoding = list(self._running)
         admitted: list[_Sequence] = []
@@ -587,7 +570,7 @@ class TorchEngine:
     def prompt_logits(self, token_ids: Sequence[int]) -> torch.Tensor:
         """Logits (float32, [len, vocab]) at every position of one token sequence, computed
         without the KV cache: for checks against other implementations and for scoring."""
-        self._check_weights("compute logits")
+        self._context.check_weights("compute logits")
         ids = torch.tensor([list(token_ids)], dtype=torch.long)
         width = ids.shape[1]
         if not 1 <= width <= self.max_seq_len:
@@ -717,9 +700,8 @@ class TorchEngine:
             last_step_s=self._last_step_s,
             mean_step_s=self._mean_step_s,
             weights_version=self.weights_version,
-            weights_ready=self._weights is not None
-            and len(self._loaded) == len(self._weights.views),
-            released=tuple(sorted(self._released)),
+            weights_ready=self._context.weights_ready,
+            released=self._context.released_kinds(),
         )
 
 

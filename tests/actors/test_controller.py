@@ -8,7 +8,6 @@ it would have produced without the shift; every sequence must complete exactly o
 from __future__ import annotations
 
 import io
-from collections.abc import Iterable
 
 import pytest
 import structlog
@@ -53,18 +52,8 @@ from pivot.bus import (
     run_virtual,
 )
 from pivot.cluster import ClusterConfig, ClusterSpec, ReplicaLayout, Role, RoleSpec
-from pivot.engines.protocol import (
-    ContextKind,
-    EngineNotServing,
-    EngineStats,
-    FinishedSequence,
-    FinishReason,
-    PartialOutput,
-    SamplingParams,
-    StepOutput,
-    TokenEvent,
-    as_context_kinds,
-)
+from pivot.engines.protocol import ContextKind, SamplingParams
+from pivot.engines.scripted import ScriptedEngine
 from pivot.planning.cost import CostModel
 from pivot.planning.planner import Planner, PlannerSettings
 from pivot.planning.plans import SequenceMigration
@@ -99,88 +88,21 @@ def script(seed: int, length: int) -> list[int]:
 PREFILL_S = 0.001
 
 
-class ScriptEngine:
-    """One token per step for each running sequence, following ``script(seed, length)``;
-    a step costs the cost model's ITL. Refuses work while its context is released."""
+def scripted_engine() -> ScriptedEngine:
+    """One token per step for each running sequence, following ``script(seed, length)``; a
+    step's latency is the cost model's ITL, its prefill a made-up PREFILL_S per sequence."""
+    return ScriptedEngine(
+        lambda prompt, sampling: script(sampling.seed, sampling.max_new_tokens),
+        max_running=8,
+        cost_model=MODEL,
+        prefill_s=PREFILL_S,
+    )
 
-    def __init__(self) -> None:
-        self.running: dict[int, tuple[list[int], list[int], int]] = {}
-        self.released: set[ContextKind] = set()
-        self.reprefills: list[tuple[int, int]] = []
-        self.added: list[int] = []
-        self._admitted: list[int] = []
-        self.steps = 0
-        self.version = 0
-        self._last = 0.0
 
-    def add(self, seq_id, prompt_ids, generated_ids=(), sampling=None, generated_logprobs=None):
-        if self.released:
-            raise EngineNotServing(f"released: {sorted(self.released)}")
-        want = script(sampling.seed, sampling.max_new_tokens)
-        assert list(generated_ids) == want[: len(generated_ids)], "re-prefill diverged"
-        if generated_ids:
-            self.reprefills.append((seq_id, len(generated_ids)))
-        self.added.append(seq_id)
-        self._admitted.append(seq_id)
-        self.running[seq_id] = (want, list(generated_ids), len(prompt_ids))
-
-    def step(self) -> StepOutput:
-        self.steps += 1
-        tokens = sum(p + len(out) for _, out, p in self.running.values())
-        self._last = MODEL.itl_one(len(self.running), tokens)
-        events, finished = [], []
-        for seq_id, (want, out, _) in list(self.running.items()):
-            out.append(want[len(out)])
-            events.append(TokenEvent(seq_id, out[-1], -0.5))
-            if len(out) == len(want):
-                del self.running[seq_id]
-                finished.append(
-                    FinishedSequence(seq_id, tuple(out), (-0.5,) * len(out), FinishReason.LENGTH)
-                )
-        admitted, self._admitted = tuple(self._admitted), []
-        # a made-up prefill time: PREFILL_S per sequence admitted in the step
-        prefill_s = PREFILL_S * len(admitted)
-        return StepOutput(
-            self.steps, tuple(events), tuple(finished), admitted=admitted, prefill_s=prefill_s
-        )
-
-    def abort(self, seq_ids: Iterable[int] | None = None) -> list[PartialOutput]:
-        ids = list(self.running) if seq_ids is None else [i for i in seq_ids if i in self.running]
-        out = []
-        for i in ids:
-            _, generated, _ = self.running.pop(i)
-            out.append(PartialOutput(i, tuple(generated), (-0.5,) * len(generated)))
-        return out
-
-    def load_weights(self, named_tensors, version: int) -> None:
-        self.version = version
-
-    def release(self, kinds) -> None:
-        kinds = as_context_kinds(kinds)
-        if self.running and kinds & {ContextKind.TRANSIENT, ContextKind.WEIGHTS}:
-            raise EngineNotServing("release with running sequences")
-        self.released |= kinds
-
-    def resume(self, kinds) -> None:
-        self.released -= as_context_kinds(kinds)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.running)
-
-    def stats(self) -> EngineStats:
-        return EngineStats(
-            running=len(self.running),
-            waiting=0,
-            kv_tokens=0,
-            kv_capacity_tokens=1 << 20,
-            max_running=8,
-            steps=self.steps,
-            generated_tokens=0,
-            last_step_s=self._last,
-            mean_step_s=self._last,
-            weights_version=self.version,
-            released=tuple(sorted(self.released)),
-        )
+def no_weights(model: str, min_version: int) -> tuple[dict, int]:
+    """A scripted engine's weights are its script: nothing to read (as the simulation's
+    loaders), but resumed weights serve only once loaded, as on any engine."""
+    return {}, min_version
 
 
 class Sink(Actor):
@@ -327,11 +249,11 @@ class Cluster:
             )
             for role, name in SCHEDULERS.items()
         }
-        self.engines: dict[int, dict[str, ScriptEngine]] = {}
+        self.engines: dict[int, dict[str, ScriptedEngine]] = {}
         self.agents: dict[int, RoleAgent] = {}
         for device in range(spec.size):
             role, replica, devices = layout.get(device, ("free", "", ()))
-            engines = {"rollout": ScriptEngine(), "reward": ScriptEngine()}
+            engines = {"rollout": scripted_engine(), "reward": scripted_engine()}
             self.engines[device] = engines
             self.agents[device] = RoleAgent(
                 f"agent-{device}",
@@ -341,6 +263,7 @@ class Cluster:
                 devices=devices or None,
                 device=device,
                 engines=engines,
+                weights={"rollout": no_weights, "reward": no_weights},
                 scheduler=SCHEDULERS.get(Role(role)),
                 stepping=Inline(pace=True),
                 report_timeout=5.0,
@@ -480,7 +403,12 @@ class Cluster:
             assert counts["done"] == counts["submitted"] == len(works)
 
     def reprefills(self, role: str) -> list[tuple[int, int]]:
-        return [r for engines in self.engines.values() for r in engines[role].reprefills]
+        return [
+            (seq_id, n)
+            for engines in self.engines.values()
+            for seq_id, n in engines[role].added
+            if n > 0
+        ]
 
     def roles(self) -> dict[int, str]:
         return {d: a.role.value for d, a in self.agents.items()}
@@ -864,7 +792,7 @@ def test_cut_routing_stops_new_work_and_migration_moves_running_sequences(tmp_pa
         )
         assert moved.count == 3
         assert sorted(s.id for s in scheduler.core.running_on("rollout@1")) == [0, 1, 2]
-        assert [s for s, n in cluster.engines[1]["rollout"].reprefills if n > 0] == [0, 1, 2]
+        assert [s for s, n in cluster.engines[1]["rollout"].added if n > 0] == [0, 1, 2]
         cluster.check_owners()
         assert scheduler.migrations == []  # recorded once the sequences finish
         # unknown replicas are no-ops: the commands are idempotent
@@ -916,16 +844,6 @@ def test_remove_replica_keeps_partial_output_in_the_work(tmp_path):
     run_virtual(main)
 
 
-class RecordingEngine(ScriptEngine):
-    def __init__(self) -> None:
-        super().__init__()
-        self.loaded: list[tuple[dict, int]] = []
-
-    def load_weights(self, named_tensors, version: int) -> None:
-        self.loaded.append(({n: t.clone() for n, t in dict(named_tensors).items()}, version))
-        self.version = version
-
-
 def test_acquire_reads_weights_from_gps_and_release_frees_the_device():
     import torch
 
@@ -937,7 +855,7 @@ def test_acquire_reads_weights_from_gps_and_release_frees_the_device():
         with ParameterStore() as store:
             weights = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3)}
             store.write(weights, version=3)
-            engine = RecordingEngine()
+            engine = scripted_engine()
             loader = StoreWeights(
                 store.name, like={n: torch.zeros_like(t) for n, t in weights.items()}
             )
@@ -953,7 +871,7 @@ def test_acquire_reads_weights_from_gps_and_release_frees_the_device():
             client = Actor("client", bus)
             await agent.start()
             await client.start()
-            assert agent.state().role is Role.FREE and engine.released
+            assert agent.state().role is Role.FREE and engine.stats().released
             acquire = Acquire(
                 role=Role.ROLLOUT, replica="rollout@0", devices=[0], model="policy", min_version=3
             )
@@ -965,7 +883,7 @@ def test_acquire_reads_weights_from_gps_and_release_frees_the_device():
             )
             ((loaded, version),) = engine.loaded
             assert version == 3 and all(torch.equal(loaded[n], weights[n]) for n in weights)
-            assert not engine.released
+            assert not engine.stats().released
             # the same Acquire again changes nothing; another replica is refused
             await client.request("agent-0", acquire, expect=AgentState)
             assert len(engine.loaded) == 1
@@ -976,14 +894,14 @@ def test_acquire_reads_weights_from_gps_and_release_frees_the_device():
                 )
             state = await client.request("agent-0", Release(replica="rollout@0"), expect=AgentState)
             assert state.role is Role.FREE and state.replica is None
-            assert engine.released == {ContextKind.TRANSIENT, ContextKind.WEIGHTS}
+            assert set(engine.stats().released) == {ContextKind.TRANSIENT, ContextKind.WEIGHTS}
             # a version GPS does not have yet: refused, and the engine stays released
             with pytest.raises(RemoteError, match="version 4"):
                 await client.request(
                     "agent-0",
                     Acquire(role=Role.ROLLOUT, replica="rollout@0", devices=[0], min_version=4),
                 )
-            assert agent.state().role is Role.FREE and engine.released
+            assert agent.state().role is Role.FREE and engine.stats().released
             with pytest.raises(RemoteError, match="model 'policy'"):
                 await client.request(
                     "agent-0",
@@ -1001,7 +919,7 @@ def test_acquire_reads_weights_from_gps_and_release_frees_the_device():
 def test_a_member_of_a_multi_device_replica_holds_the_role_without_an_engine():
     async def main(clock):
         bus = Bus.local(rl_messages(), transport=LocalTransport(), clock=clock)
-        engine = ScriptEngine()
+        engine = scripted_engine()
         member = RoleAgent("agent-1", bus, device=1, engines={"reward": engine}, stepping=Inline())
         client = Actor("client", bus)
         await member.start()
@@ -1012,7 +930,7 @@ def test_a_member_of_a_multi_device_replica_holds_the_role_without_an_engine():
             expect=AgentState,
         )
         assert state.role is Role.REWARD and state.devices == [0, 1] and not state.serving
-        assert engine.released  # only the leader's engine serves
+        assert engine.stats().released  # only the leader's engine serves
         with pytest.raises(RemoteError, match="not the leader"):
             await client.request("agent-1", Register(replica="reward@0"))
         state = await client.request("agent-1", Release(replica="reward@0"), expect=AgentState)
@@ -1101,7 +1019,7 @@ def test_an_assign_that_lost_the_race_to_a_removal_is_not_sent(tmp_path):
         await clock.sleep(0)
         assert sorted(cluster.agents[0].state().running) == [0, 1]
         await stale
-        assert sorted(cluster.engines[0]["rollout"].added) == [0, 1]
+        assert sorted(s for s, _ in cluster.engines[0]["rollout"].added) == [0, 1]
         cluster.check_owners()
         cluster.submitted["rollout"] = {w.seq_id: w for w in works}
         await cluster.until_done()

@@ -4,7 +4,7 @@ so every reward and every sequence's owner can be checked by hand."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import pytest
 
@@ -29,16 +29,8 @@ from pivot.actors.trainer_messages import TrainBatch, Trained
 from pivot.actors.vocabulary import rl_messages
 from pivot.bus import Actor, Bus, LocalTransport, handles, run_virtual
 from pivot.cluster import Role
-from pivot.engines.protocol import (
-    ContextKind,
-    EngineStats,
-    FinishedSequence,
-    FinishReason,
-    PartialOutput,
-    SamplingParams,
-    StepOutput,
-    TokenEvent,
-)
+from pivot.engines.protocol import FinishReason, SamplingParams
+from pivot.engines.scripted import ScriptedEngine
 from pivot.engines.tokenizer import TextCodec, build_tokenizer
 from pivot.grpo import TrainStats
 from pivot.job import JobConfig, RolloutSection
@@ -49,79 +41,23 @@ from pivot.task import ideal_judgment, worked_response
 CODEC = TextCodec(build_tokenizer())
 
 
-class OracleEngine:
-    """Answers each prompt with the worked response, wrong (last digit +1) on odd seeds;
-    one token per step, then eos."""
+def oracle(prompt_ids: Sequence[int], sampling: SamplingParams) -> list[int]:
+    """The worked response to each prompt, wrong (last digit +1) on odd seeds, then eos; a
+    GenRM prompt gets the ideal judge's judgment."""
+    prompt = CODEC.decode(prompt_ids)
+    if prompt.startswith("Q "):  # a GenRM prompt: judge like the ideal judge
+        _, response, reference = (line[2:] for line in prompt.splitlines()[:3])
+        text = ideal_judgment(response, reference.rstrip("_"))
+    else:
+        text = worked_response(prompt)
+        if sampling.seed % 2:
+            text = text[:-1] + str((int(text[-1]) + 1) % 10)
+    return [*CODEC.encode(text, bos=False), CODEC.eos_id]
 
-    def __init__(self, max_running: int = 8) -> None:
-        self.max_running = max_running
-        self.running: dict[int, tuple[list[int], list[int]]] = {}
-        self.steps = 0
-        self.hold = False  # a stalled device: the agent sees no work to step
 
-    def _script(self, prompt_ids: Sequence[int], seed: int | None) -> list[int]:
-        prompt = CODEC.decode(prompt_ids)
-        if prompt.startswith("Q "):  # a GenRM prompt: judge like the ideal judge
-            _, response, reference = (line[2:] for line in prompt.splitlines()[:3])
-            text = ideal_judgment(response, reference.rstrip("_"))
-        else:
-            text = worked_response(prompt)
-            if seed % 2:
-                text = text[:-1] + str((int(text[-1]) + 1) % 10)
-        return [*CODEC.encode(text, bos=False), CODEC.eos_id]
-
-    def add(self, seq_id, prompt_ids, generated_ids=(), sampling=None, generated_logprobs=None):
-        script = self._script(prompt_ids, sampling.seed)
-        assert list(generated_ids) == script[: len(generated_ids)], "re-prefill diverged"
-        self.running[seq_id] = (script, list(generated_ids))
-
-    def step(self) -> StepOutput:
-        self.steps += 1
-        events, finished = [], []
-        for seq_id, (script, out) in list(self.running.items()):
-            out.append(script[len(out)])
-            events.append(TokenEvent(seq_id, out[-1], -0.5))
-            if len(out) == len(script):
-                del self.running[seq_id]
-                finished.append(
-                    FinishedSequence(seq_id, tuple(out), (-0.5,) * len(out), FinishReason.STOP)
-                )
-        return StepOutput(self.steps, tuple(events), tuple(finished))
-
-    def abort(self, seq_ids: Iterable[int] | None = None) -> list[PartialOutput]:
-        ids = list(self.running) if seq_ids is None else [i for i in seq_ids if i in self.running]
-        out = []
-        for i in ids:
-            _, generated = self.running.pop(i)
-            out.append(PartialOutput(i, tuple(generated), (-0.5,) * len(generated)))
-        return out
-
-    def load_weights(self, named_tensors, version: int) -> None:  # pragma: no cover
-        pass
-
-    def release(self, kinds) -> None:  # pragma: no cover
-        pass
-
-    def resume(self, kinds) -> None:  # pragma: no cover
-        pass
-
-    def has_unfinished(self) -> bool:
-        return bool(self.running) and not self.hold
-
-    def stats(self) -> EngineStats:
-        return EngineStats(
-            running=len(self.running),
-            waiting=0,
-            kv_tokens=0,
-            kv_capacity_tokens=1 << 20,
-            max_running=self.max_running,
-            steps=self.steps,
-            generated_tokens=0,
-            last_step_s=0.0,
-            mean_step_s=0.0,
-            weights_version=0,
-            released=tuple[ContextKind, ...](),
-        )
+def oracle_engine() -> ScriptedEngine:
+    """Answers with ``oracle``, one token per step."""
+    return ScriptedEngine(oracle, eos_token_ids=[CODEC.eos_id])
 
 
 def _router():
@@ -147,7 +83,7 @@ def _cluster(
         )
     for i in range(replicas + judges):
         role = "rollout" if i < replicas else "reward"
-        engines.append(OracleEngine())
+        engines.append(oracle_engine())
         actors.append(
             RoleAgent(
                 f"agent-{i}",
@@ -233,7 +169,7 @@ def _run_job(
         trained = [a for a in actors if isinstance(a, FakeTrainer)]
         if trained:
             return driver.reports, counts, trained[0].batches
-        return driver.reports, counts, [e.steps for e in engines]
+        return driver.reports, counts, [e.stats().steps for e in engines]
 
     return run_virtual(main, seed=seed)
 
@@ -278,7 +214,7 @@ def test_same_seed_same_run():
 def test_abort_returns_partial_output_that_redispatch_continues():
     async def main(clock):
         bus = Bus.local(rl_messages(), transport=LocalTransport(), clock=clock)
-        engine = OracleEngine()
+        engine = oracle_engine()
         # no scheduler registration in this test: a bare agent driven by hand
         agent = RoleAgent(
             "agent", bus, engine=engine, role="rollout", scheduler="nobody", stepping=Inline()
@@ -292,13 +228,13 @@ def test_abort_returns_partial_output_that_redispatch_continues():
         engine.add(7, prompt, (), work.sampling)
         for _ in range(5):
             engine.step()
-        engine.hold = True
+        engine.stalled = True  # the agent sees no work to step
         reply = await client.request("agent", Abort(seq_ids=[7]), expect=Aborted)
         (partial,) = reply.partials
-        assert len(partial.token_ids) == 5 and not engine.running
+        assert len(partial.token_ids) == 5 and engine.stats().running == 0
         # dispatch elsewhere: the receiver re-prefills prompt + partial output and continues
-        other = OracleEngine()
-        other.add(7, prompt, partial.token_ids, work.sampling)
+        other = oracle_engine()
+        other.add(7, prompt, partial.token_ids, work.sampling, partial.logprobs)
         while other.has_unfinished():
             out = other.step()
         text = CODEC.decode(out.finished[0].token_ids)
