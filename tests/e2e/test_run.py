@@ -249,8 +249,8 @@ def test_same_seed_same_rewards_without_shifts(shifting_run, fixed_run):
     agree only to ~1e-5 relative: a replica's logprobs differ in their last bits with the
     batch a sequence shares (CPU matmul blocking), too little to change a sampled token."""
     fixed, moved = fixed_run.reports, shifting_run.reports
-    assert [set(r["rollout_by_replica"]) for r in fixed] == [{"agent-0"}] * STEPS
-    assert [set(r["reward_by_replica"]) for r in fixed] == [{"agent-1"}] * STEPS
+    assert [set(r["rollout_by_replica"]) for r in fixed] == [{"rollout@0"}] * STEPS
+    assert [set(r["reward_by_replica"]) for r in fixed] == [{"reward@1"}] * STEPS
     assert "    shift (" not in fixed_run.stdout and "shifts 0 {}" in fixed_run.stdout
     marks = [
         json.loads(line) for line in (shifting_run.dir / "timeline.jsonl").read_text().splitlines()
