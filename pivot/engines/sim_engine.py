@@ -43,11 +43,12 @@ import random
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Annotated
 
 import msgspec
 
-from pivot.config import ConfigStruct
+from pivot.config import ConfigStruct, Fraction
+from pivot.config import NonNegativeFloat as NonNegative
+from pivot.config import PositiveFloat as Positive
 from pivot.engines.protocol import (
     ContextKind,
     DuplicateSequence,
@@ -69,10 +70,6 @@ from pivot.planning.cost import ITL_FLOOR_S, CostModel
 DUMMY_TOKEN = 0  # the id of every token a simulated engine generates
 DUMMY_LOGPROB = 0.0
 _EMA = 0.1  # weight of the newest step in the mean step latency (as the torch engine)
-
-Positive = Annotated[float, msgspec.Meta(gt=0.0)]
-NonNegative = Annotated[float, msgspec.Meta(ge=0.0)]
-Fraction = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 
 
 def sim_sampling(
