@@ -47,7 +47,7 @@ import asyncio
 import contextlib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Literal
 
 import msgspec
 
@@ -81,7 +81,7 @@ from pivot.actors.trainer_messages import (
 from pivot.actors.vocabulary import LOAD_TOPIC, SHIFT_TOPIC
 from pivot.bus import Actor, Bus, BusError, handles
 from pivot.cluster import INFERENCE_ROLES, Allocation, ClusterSpec, Move, Role
-from pivot.config import ConfigStruct
+from pivot.config import ConfigStruct, PositiveInt, Seconds
 from pivot.planning.planner import PlannerSettings
 from pivot.planning.plans import Decision, ShiftPlan, ShiftPolicy
 from pivot.planning.snapshot import ClusterSnapshot, QueueState, ReplicaState, TrainerPhase
@@ -106,15 +106,13 @@ from pivot.shift import (
     recover,
 )
 
-Seconds = Annotated[float, msgspec.Meta(gt=0.0)]
-
 
 class ControllerSettings(ConfigStruct, kw_only=True):
     interval_s: Seconds = 1.0  # planning period
     command_timeout_s: Seconds = 30.0  # one shift command (an Acquire loads weights)
     retry_backoff_s: Seconds = 0.5  # before a phase's failed commands go again; doubles, to 16x
-    give_up_after: Annotated[int, msgspec.Meta(ge=1)] = 3  # attempts before a wake is given up
-    recovery_attempts: Annotated[int, msgspec.Meta(ge=1)] = 5  # per reconciliation stage
+    give_up_after: PositiveInt = 3  # attempts before a wake is given up
+    recovery_attempts: PositiveInt = 5  # per reconciliation stage
     # what a device drops on shift-down (persistent context always stays)
     release_kinds: tuple[Literal["transient", "weights", "stateful"], ...] = (
         "transient",

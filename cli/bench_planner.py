@@ -17,15 +17,14 @@ from pathlib import Path
 
 import numpy as np
 
-from pivot.cluster import ClusterConfig, ClusterSpec, ReplicaLayout, Role, RoleSpec
+from pivot.cluster import ClusterSpec, Role
+from pivot.planning import scenarios
 from pivot.planning.cost import CostModel, cost_model_for
 from pivot.planning.planner import Planner, PlannerSettings
-from pivot.planning.snapshot import ClusterSnapshot, QueueState, ReplicaState, TrainerPhase
+from pivot.planning.scenarios import REWARD, ROLLOUT
+from pivot.planning.snapshot import ClusterSnapshot, ReplicaState, TrainerPhase
 
 COST_MODELS = Path(__file__).resolve().parent.parent / "configs" / "cost_models"
-ROLLOUT = RoleSpec(model="qwen2.5-7b", layout=ReplicaLayout(tp=1))
-REWARD = RoleSpec(model="qwen3-30b-a3b", layout=ReplicaLayout(tp=4))
-DEVICES_PER_HOST = 4
 
 # The paper's Table 2, seconds: mean (std) per GPU count
 PAPER_TABLE2 = {
@@ -58,15 +57,7 @@ PHASES = ("preprocess", "construction", "simulation", "total")
 
 
 def bench_cluster(devices: int) -> ClusterSpec:
-    hosts = max(devices // DEVICES_PER_HOST, 2)
-    config = ClusterConfig(
-        hosts=hosts,
-        devices_per_host=DEVICES_PER_HOST,
-        trainer_hosts=max(hosts // 4, 1),
-        rollout=ROLLOUT,
-        reward=REWARD,
-    )
-    return ClusterSpec.from_config(config)
+    return scenarios.cluster_of(devices)
 
 
 def bench_cost_models() -> dict[Role, CostModel]:
@@ -84,7 +75,7 @@ def synthetic_snapshot(
     shared = [d.id for d in spec.devices if not spec.is_trainer_pool[d.id]]
     trainer = list(spec.trainer_pool)
     replicas: list[ReplicaState] = []
-    next_seq = 0
+    ids = scenarios.sequence_ids()
 
     def lengths(n: int) -> np.ndarray:
         prompt = rng.integers(200, 1024, n)
@@ -92,7 +83,6 @@ def synthetic_snapshot(
         return prompt + generated
 
     def add(role: Role, devices: list[int], busy: bool) -> None:
-        nonlocal next_seq
         if role is Role.ROLLOUT:
             n = int(rng.integers(16, 40)) if busy else int(rng.geometric(0.5) - 1)
         else:
@@ -102,17 +92,16 @@ def synthetic_snapshot(
         itl = model.itl_one(n, float(tokens.sum())) * float(rng.uniform(0.9, 1.1)) if n else 0.0
         recent = rng.random() < 0.1
         replicas.append(
-            ReplicaState(
-                id=f"{role.value}-{devices[0]}",
-                role=role,
-                devices=tuple(devices),
-                seq_ids=tuple(range(next_seq, next_seq + n)),
-                seq_tokens=tuple(tokens.tolist()),
+            scenarios.replica(
+                f"{role.value}-{devices[0]}",
+                role,
+                devices,
+                tokens.tolist(),
+                ids=ids,
                 itl_s=itl,
                 woken_at=now - 5.0 if recent else None,
             )
         )
-        next_seq += n
 
     # shared pool: half reward (4-device replicas), half rollout (1-device replicas)
     cut = (len(shared) // 2) // 4 * 4
@@ -125,12 +114,12 @@ def synthetic_snapshot(
         add(Role.ROLLOUT, [d], busy=not reward_heavy)
     heavy_replicas = sum(1 for r in replicas if (r.role is Role.REWARD) == reward_heavy)
     backlog = int(heavy_replicas * rng.integers(4, 24))
-    queue = QueueState(backlog, int(lengths(backlog).sum()) if backlog else 0)
-    return ClusterSnapshot(
+    queue = (backlog, int(lengths(backlog).sum()) if backlog else 0)
+    return scenarios.snapshot(
+        *replicas,
         now=now,
-        replicas=tuple(replicas),
-        rollout_queue=queue if not reward_heavy else QueueState(),
-        reward_queue=queue if reward_heavy else QueueState(),
+        rollout_queue=queue if not reward_heavy else (0, 0),
+        reward_queue=queue if reward_heavy else (0, 0),
         trainer=TrainerPhase.WAITING,
     )
 

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Literal
 
 import msgspec
 import numpy as np
 
-from pivot.config import ConfigStruct
+from pivot.config import ConfigStruct, NonNegativeInt, PositiveInt
 
 
 class ClusterError(ValueError):
@@ -52,9 +52,6 @@ def replica_id(role: Role, devices: tuple[int, ...]) -> str:
 class Pool(StrEnum):
     SHARED = "shared"
     TRAINER = "trainer"  # lent to inference while the trainer waits, reclaimed whole when ready
-
-
-PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 
 
 class ReplicaLayout(ConfigStruct):
@@ -91,7 +88,7 @@ class ClusterConfig(ConfigStruct, kw_only=True):
 
     hosts: PositiveInt
     devices_per_host: PositiveInt
-    trainer_hosts: Annotated[int, msgspec.Meta(ge=0)] = 0
+    trainer_hosts: NonNegativeInt = 0
     rollout: RoleSpec
     reward: RoleSpec
 

@@ -4,6 +4,9 @@ file, the key, what was expected and what was found.
 Every component declares its settings as a nested ``ConfigStruct`` (torchtitan-style: one
 Config per component, composed into the job's). Reading the file is the caller's business;
 this module only turns text into validated values, so it stays pure.
+
+It also owns the constraint aliases the configs share, so that a name means one rule
+everywhere (msgspec words their errors from the rule, and ``convert`` passes that on).
 """
 
 from __future__ import annotations
@@ -11,11 +14,25 @@ from __future__ import annotations
 import re
 import tomllib
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 
 T = TypeVar("T")
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0.0)]
+NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0.0)]
+# a duration that must pass: a zero period or timeout would spin or never wait
+Seconds = Annotated[float, msgspec.Meta(gt=0.0)]
+# a part of a whole that cannot be nothing (utilization, MFU, top_p, a smoothing weight)
+Fraction = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+# a part of a whole that may be nothing
+UnitInterval = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+# strictly inside (0, 1): Adam's betas and PPO's lower clip are degenerate at either end
+OpenUnitInterval = Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)]
+Correlation = Annotated[float, msgspec.Meta(ge=-1.0, le=1.0)]
 
 
 class ConfigStruct(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):

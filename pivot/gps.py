@@ -37,11 +37,11 @@ import math
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from enum import IntEnum
-from typing import Annotated, Any, Final, Literal
+from typing import Any, Final, Literal
 
 import msgspec
 
-from pivot.config import ConfigStruct
+from pivot.config import ConfigStruct, PositiveFloat
 
 #: A box of a tensor: one (start, stop) pair per dimension, in the coordinates it names.
 Region = tuple[tuple[int, int], ...]
@@ -367,17 +367,14 @@ def link_between(source: Holder, receiver: Holder) -> Link:
     return Link.LOCAL if source.device == receiver.device else Link.INTRA_NODE
 
 
-_Bandwidth = Annotated[float, msgspec.Meta(gt=0)]
-
-
 class LinkConfig(ConfigStruct):
     """Bandwidth per link class, in GB/s (1e9 bytes/s). The defaults are estimates, not
     measurements: a host memory copy, PCIe 4.0 x16, a 100 Gb/s NIC. Only their ratios
     matter to the plan (they weigh one source's load against another's)."""
 
-    local_gb_per_s: _Bandwidth = 50.0
-    intra_node_gb_per_s: _Bandwidth = 25.0
-    inter_node_gb_per_s: _Bandwidth = 12.5
+    local_gb_per_s: PositiveFloat = 50.0
+    intra_node_gb_per_s: PositiveFloat = 25.0
+    inter_node_gb_per_s: PositiveFloat = 12.5
 
     def seconds(self, nbytes: int, link: Link) -> float:
         gbps = (self.local_gb_per_s, self.intra_node_gb_per_s, self.inter_node_gb_per_s)[link]

@@ -8,20 +8,21 @@ the rules that span sections.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
-
-import msgspec
+from typing import Literal
 
 from pivot.cluster import Role
-from pivot.config import ConfigError, ConfigStruct
+from pivot.config import (
+    ConfigError,
+    ConfigStruct,
+    Fraction,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    Seconds,
+)
 from pivot.deployment import Deployment, DeploymentKind, Split, plan_deployment
 from pivot.planning.planner import PlannerSettings
 from pivot.training import TrainingSettings
-
-Positive = Annotated[int, msgspec.Meta(ge=1)]
-NonNegative = Annotated[int, msgspec.Meta(ge=0)]
-Probability = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
-Seconds = Annotated[float, msgspec.Meta(gt=0.0)]
 
 
 class ClusterSection(ConfigStruct):
@@ -31,9 +32,9 @@ class ClusterSection(ConfigStruct):
     are the shared pool of rollout and reward replicas.
     """
 
-    devices: Positive = 4
-    threads_per_device: Positive = 1
-    trainer_devices: Positive = 2
+    devices: PositiveInt = 4
+    threads_per_device: PositiveInt = 1
+    trainer_devices: PositiveInt = 2
 
 
 class DeploymentSection(ConfigStruct):
@@ -52,7 +53,7 @@ class DeploymentSection(ConfigStruct):
     """
 
     kind: DeploymentKind = DeploymentKind.PIVOT
-    rollout_devices: Positive = 1
+    rollout_devices: PositiveInt = 1
 
 
 class ModelSection(ConfigStruct):
@@ -60,22 +61,22 @@ class ModelSection(ConfigStruct):
 
     policy: str = "tiny-policy"
     genrm: str = "tiny-genrm"
-    max_running: Positive = 32
+    max_running: PositiveInt = 32
 
 
 class RolloutSection(ConfigStruct):
-    prompts_per_step: Positive = 16
-    samples_per_prompt: Positive = 4
-    max_new_tokens: Positive = 32
-    temperature: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
-    top_p: Probability = 1.0
+    prompts_per_step: PositiveInt = 16
+    samples_per_prompt: PositiveInt = 4
+    max_new_tokens: PositiveInt = 32
+    temperature: PositiveFloat = 1.0
+    top_p: Fraction = 1.0
 
 
 class RewardSection(ConfigStruct):
     """``genrm``: the GenRM judges each response; ``exact``: the task's checker scores it."""
 
     kind: Literal["genrm", "exact"] = "genrm"
-    max_new_tokens: Positive = 24
+    max_new_tokens: PositiveInt = 24
 
 
 class ControlSection(ConfigStruct):
@@ -92,8 +93,8 @@ class ControlSection(ConfigStruct):
 class JobConfig(ConfigStruct):
     """The whole job."""
 
-    seed: NonNegative = 0
-    steps: Positive = 20
+    seed: NonNegativeInt = 0
+    steps: PositiveInt = 20
     cluster: ClusterSection = ClusterSection()
     deployment: DeploymentSection = DeploymentSection()
     model: ModelSection = ModelSection()

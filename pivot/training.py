@@ -10,11 +10,14 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from pivot.config import ConfigStruct
-
-PositiveFloat = Annotated[float, msgspec.Meta(gt=0.0)]
-NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0.0)]
-UnitInterval = Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)]
+from pivot.config import (
+    ConfigStruct,
+    NonNegativeFloat,
+    NonNegativeInt,
+    OpenUnitInterval,
+    PositiveFloat,
+    PositiveInt,
+)
 
 
 class TrainingSettings(ConfigStruct):
@@ -40,21 +43,21 @@ class TrainingSettings(ConfigStruct):
     """
 
     lr: PositiveFloat = 1e-4
-    warmup_steps: Annotated[int, msgspec.Meta(ge=0)] = 0
+    warmup_steps: NonNegativeInt = 0
     weight_decay: NonNegativeFloat = 0.1
-    adam_betas: tuple[UnitInterval, UnitInterval] = (0.9, 0.999)
+    adam_betas: tuple[OpenUnitInterval, OpenUnitInterval] = (0.9, 0.999)
     adam_eps: PositiveFloat = 1e-8
     grad_clip: PositiveFloat = 1.0
-    clip_low: UnitInterval = 0.2
+    clip_low: OpenUnitInterval = 0.2
     clip_high: PositiveFloat = 0.28
     dual_clip: Annotated[float, msgspec.Meta(gt=1.0)] | None = 10.0
     kl_coef: NonNegativeFloat = 0.0
     advantage_eps: PositiveFloat = 1e-6
     temperature: PositiveFloat = 1.0
-    micro_batch_size: Annotated[int, msgspec.Meta(ge=1)] = 32
+    micro_batch_size: PositiveInt = 32
     zero_stage: Literal[1, 2, 3] = 2
-    zero3_persistence_threshold: Annotated[int, msgspec.Meta(ge=0)] = 0
-    seed: Annotated[int, msgspec.Meta(ge=0)] = 0
+    zero3_persistence_threshold: NonNegativeInt = 0
+    seed: NonNegativeInt = 0
 
 
 class RolloutSample(msgspec.Struct, frozen=True, kw_only=True):

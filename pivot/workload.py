@@ -20,13 +20,21 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Annotated
 
-import msgspec
 import numpy as np
 
 from pivot.cluster import ReplicaLayout, Role
-from pivot.config import ConfigError, ConfigStruct, load_toml
+from pivot.config import (
+    ConfigError,
+    ConfigStruct,
+    Correlation,
+    Fraction,
+    NonNegativeFloat,
+    PositiveFloat,
+    PositiveInt,
+    UnitInterval,
+    load_toml,
+)
 from pivot.engines.sim_engine import (
     Hardware,
     ShiftCostModel,
@@ -38,26 +46,19 @@ from pivot.engines.sim_engine import (
 )
 from pivot.planning.cost import CostModel, load_cost_models
 
-PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
-Positive = Annotated[float, msgspec.Meta(gt=0.0)]
-NonNegative = Annotated[float, msgspec.Meta(ge=0.0)]
-Share = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
-Correlation = Annotated[float, msgspec.Meta(ge=-1.0, le=1.0)]
-Utilization = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
-
 
 class ModelSpec(ConfigStruct, kw_only=True):
     """One model as a role runs it. ``model`` names its file in the cost-model folder."""
 
     model: str
     layout: ReplicaLayout = ReplicaLayout()
-    params_b: Positive  # total parameters, billions
-    active_params_b: Positive | None = None  # per token (mixture of experts); None: dense
+    params_b: PositiveFloat  # total parameters, billions
+    active_params_b: PositiveFloat | None = None  # per token (mixture of experts); None: dense
     kv_bytes_per_token: PositiveInt  # KV cache per token, whole model, bf16
     max_running: PositiveInt  # engine batch limit per replica
-    gpu_memory_utilization: Utilization  # fraction of device memory the engine takes
+    gpu_memory_utilization: Fraction  # fraction of device memory the engine takes
     kv_capacity_tokens: PositiveInt | None = None  # None: derived from memory (see Workload)
-    prefill_tokens_per_s: Positive | None = None  # None: derived from FLOP/s (see Workload)
+    prefill_tokens_per_s: PositiveFloat | None = None  # None: derived from FLOP/s (see Workload)
 
     @property
     def active_b(self) -> float:
@@ -67,11 +68,11 @@ class ModelSpec(ConfigStruct, kw_only=True):
 class LengthSpec(ConfigStruct, kw_only=True):
     """Lognormal lengths in tokens, rounded and clipped to [min, max]."""
 
-    median: Positive
-    sigma: NonNegative  # of the natural log of the length
+    median: PositiveFloat
+    sigma: NonNegativeFloat  # of the natural log of the length
     min: PositiveInt = 1
     max: PositiveInt
-    per_prompt_share: Share = 0.0  # of the log-variance, shared by the responses to a prompt
+    per_prompt_share: UnitInterval = 0.0  # of the log-variance, shared by the responses to a prompt
 
 
 class JudgmentSpec(LengthSpec, kw_only=True):

@@ -43,11 +43,10 @@ import random
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Annotated
 
 import msgspec
 
-from pivot.config import ConfigStruct
+from pivot.config import ConfigStruct, Fraction, NonNegativeFloat, PositiveFloat
 from pivot.engines.context import RoleContext
 from pivot.engines.protocol import (
     ContextKind,
@@ -68,10 +67,6 @@ from pivot.planning.cost import ITL_FLOOR_S, CostModel
 DUMMY_TOKEN = 0  # the id of every token a simulated engine generates
 DUMMY_LOGPROB = 0.0
 _EMA = 0.1  # weight of the newest step in the mean step latency (as the torch engine)
-
-Positive = Annotated[float, msgspec.Meta(gt=0.0)]
-NonNegative = Annotated[float, msgspec.Meta(ge=0.0)]
-Fraction = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 
 
 def sim_sampling(
@@ -547,8 +542,8 @@ class Hardware(ConfigStruct):
     """One accelerator. Defaults: NVIDIA H20, the paper's cluster (paper-notes §1)."""
 
     name: str = "H20"
-    memory_gb: Positive = 96.0  # H20 datasheet: 96 GB HBM3
-    peak_bf16_tflops: Positive = 148.0  # H20 datasheet: dense BF16
+    memory_gb: PositiveFloat = 96.0  # H20 datasheet: 96 GB HBM3
+    peak_bf16_tflops: PositiveFloat = 148.0  # H20 datasheet: dense BF16
     prefill_mfu: Fraction = 0.5  # ESTIMATE: fraction of peak a prefill batch reaches
     train_mfu: Fraction = 0.35  # ESTIMATE: fraction of peak an FSDP training step reaches
 
@@ -563,25 +558,27 @@ class TrainerCosts(ConfigStruct):
 
     # 6 for forward + backward of the update, 2 for the forward that recomputes old
     # log-probabilities (GRPO, no reference model): an ESTIMATE that leaves out attention FLOPs
-    flops_per_param_token: Positive = 8.0
-    fixed_step_s: NonNegative = 5.0  # ESTIMATE: optimizer step, gradient sync tail, batching
+    flops_per_param_token: PositiveFloat = 8.0
+    fixed_step_s: NonNegativeFloat = 5.0  # ESTIMATE: optimizer step, gradient sync tail, batching
     # bf16 weights + grads (4) and fp32 master weights + Adam m, v (12): mixed-precision Adam
-    state_bytes_per_param: Positive = 16.0
-    wake_s: NonNegative = 10.0  # paper-notes §2.6: "a 10-15 s trainer wake cost"; plus reload
-    offload_s: NonNegative = 2.0  # ESTIMATE: fixed part of offloading to host; plus bytes
-    cold_start_s: NonNegative = 25.0  # paper-notes §2.6: "model load typically takes 20-30 s"
+    state_bytes_per_param: PositiveFloat = 16.0
+    wake_s: NonNegativeFloat = 10.0  # paper-notes §2.6: "a 10-15 s trainer wake cost"; plus reload
+    offload_s: NonNegativeFloat = 2.0  # ESTIMATE: fixed part of offloading to host; plus bytes
+    cold_start_s: NonNegativeFloat = 25.0  # paper-notes §2.6: "model load typically takes 20-30 s"
 
 
 class ShiftCosts(ConfigStruct):
     """The phases of shifting an inference replica, and the links weights travel over."""
 
-    abort_s: NonNegative = 0.1  # seed Table 3: per-sequence Abort 0.07-0.12 s
-    engine_release_s: NonNegative = 1.0  # ESTIMATE: engine sleep + deregister (paper-notes §2.5)
-    engine_wake_s: NonNegative = 1.5  # ESTIMATE: allocate memory, restore CUDA graphs
-    register_s: NonNegative = 0.1  # ESTIMATE: router update, scheduler registration
-    gps_read_gb_per_s: Positive = 20.0  # ESTIMATE: per device, host memory over PCIe/200 Gb IB
-    gps_write_gb_per_s: Positive = 20.0  # ESTIMATE: per trainer device
-    host_device_gb_per_s: Positive = 25.0  # ESTIMATE: PCIe host<->device, offload and reload
+    abort_s: NonNegativeFloat = 0.1  # seed Table 3: per-sequence Abort 0.07-0.12 s
+    engine_release_s: NonNegativeFloat = (
+        1.0  # ESTIMATE: engine sleep + deregister (paper-notes §2.5)
+    )
+    engine_wake_s: NonNegativeFloat = 1.5  # ESTIMATE: allocate memory, restore CUDA graphs
+    register_s: NonNegativeFloat = 0.1  # ESTIMATE: router update, scheduler registration
+    gps_read_gb_per_s: PositiveFloat = 20.0  # ESTIMATE: per device, host memory over PCIe/200 Gb IB
+    gps_write_gb_per_s: PositiveFloat = 20.0  # ESTIMATE: per trainer device
+    host_device_gb_per_s: PositiveFloat = 25.0  # ESTIMATE: PCIe host<->device, offload and reload
 
 
 class ShiftPhase(msgspec.Struct, frozen=True):

@@ -15,17 +15,15 @@ from __future__ import annotations
 import itertools
 import re
 from pathlib import Path
-from typing import Annotated
 
 import msgspec
 import numpy as np
 
 from pivot.cluster import ReplicaLayout
-from pivot.config import ConfigError, ConfigStruct, load_toml
+from pivot.config import ConfigError, ConfigStruct, NonNegativeFloat, load_toml
 
 ITL_FLOOR_S = 1e-9
 
-NonNegative = Annotated[float, msgspec.Meta(ge=0.0)]
 _LAYOUT_KEY = re.compile(r"^TP[1-9][0-9]*_PP[1-9][0-9]*$")
 
 
@@ -78,11 +76,11 @@ class CostModel(msgspec.Struct, frozen=True):
 class MeasuredFit(ConfigStruct):
     """The authors' coefficient names, kept verbatim so a file can be traced to its source."""
 
-    other_threshold: NonNegative
-    other_latency_b: NonNegative
-    other_latency_k: NonNegative
-    attn_latency_b: NonNegative
-    attn_latency_k: NonNegative
+    other_threshold: NonNegativeFloat
+    other_latency_b: NonNegativeFloat
+    other_latency_k: NonNegativeFloat
+    attn_latency_b: NonNegativeFloat
+    attn_latency_k: NonNegativeFloat
 
     def cost_model(self) -> CostModel:
         return CostModel.from_measured(
@@ -95,10 +93,10 @@ class MeasuredFit(ConfigStruct):
 
 
 class LayoutFit(ConfigStruct):
-    a: NonNegative
-    b: NonNegative
-    c: NonNegative
-    d: NonNegative
+    a: NonNegativeFloat
+    b: NonNegativeFloat
+    c: NonNegativeFloat
+    d: NonNegativeFloat
     measured: MeasuredFit | None = None
 
     def cost_model(self) -> CostModel:

@@ -23,9 +23,8 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Annotated, Literal
+from typing import Literal
 
-import msgspec
 import numpy as np
 
 from pivot.cluster import (
@@ -36,7 +35,14 @@ from pivot.cluster import (
     other_inference_role,
     replica_id,
 )
-from pivot.config import ConfigStruct
+from pivot.config import (
+    ConfigStruct,
+    Fraction,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+)
 from pivot.planning.candidates import BLOCKED, FREE, CandidatePlan, best_plans, wake_groups
 from pivot.planning.cost import CostModel
 from pivot.planning.evaluation import (
@@ -58,28 +64,27 @@ from pivot.planning.plans import (
 from pivot.planning.routing import REWARD_ROUTER, ROLLOUT_ROUTER, RouterSettings, make_router
 from pivot.planning.snapshot import ClusterSnapshot, ReplicaState, SnapshotError, TrainerPhase
 
-NonNegative = Annotated[float, msgspec.Meta(ge=0.0)]
 _CODE = {role: i for i, role in enumerate(Role)}
 
 
 class PlannerSettings(ConfigStruct, kw_only=True):
     """Defaults are the paper launchers' (reference/paper-notes.md, section 2.3)."""
 
-    horizon_s: NonNegative = 60.0  # H
-    min_gain: NonNegative = 0.05  # act only if L = H*dT - Phi exceeds this (tokens)
-    cooldown_s: NonNegative = 10.0
-    immunity_s: NonNegative = 10.0  # a newly woken replica is no victim for this long
-    max_moves_per_action: Annotated[int, msgspec.Meta(ge=1)] = 32  # wakes per plan
-    min_awake_per_role: Annotated[int, msgspec.Meta(ge=0)] = 0
-    migrate_time_init_s: NonNegative = 5.0
-    migrate_time_alpha: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.2
+    horizon_s: NonNegativeFloat = 60.0  # H
+    min_gain: NonNegativeFloat = 0.05  # act only if L = H*dT - Phi exceeds this (tokens)
+    cooldown_s: NonNegativeFloat = 10.0
+    immunity_s: NonNegativeFloat = 10.0  # a newly woken replica is no victim for this long
+    max_moves_per_action: PositiveInt = 32  # wakes per plan
+    min_awake_per_role: NonNegativeInt = 0
+    migrate_time_init_s: NonNegativeFloat = 5.0
+    migrate_time_alpha: Fraction = 0.2
     # ablations
     policy: Literal["cost_model", "rule_based"] = "cost_model"
     rebalance: bool = True
     lend_trainer_pool: bool = True
     # rule-based policy: KV-cache pressure thresholds
-    kv_high: Annotated[float, msgspec.Meta(gt=0.0)] = 0.8
-    kv_low: NonNegative = 0.1
+    kv_high: PositiveFloat = 0.8
+    kv_low: NonNegativeFloat = 0.1
 
 
 class _Phases:

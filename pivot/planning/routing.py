@@ -22,13 +22,13 @@ the queue) and Dispatch (a receiver re-prefills prompt + partial output; counted
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Annotated, Literal, Protocol
+from typing import Literal, Protocol
 
 import msgspec
 import numpy as np
 
 from pivot.cluster import Role
-from pivot.config import ConfigStruct
+from pivot.config import ConfigStruct, NonNegativeFloat, PositiveInt
 from pivot.planning.cost import CostModel
 from pivot.planning.queue import Owner, Sequence, SequenceLedger, WaitingQueue
 
@@ -37,8 +37,8 @@ RouterPolicy = Literal["throughput_optimal", "lowest_itl", "round_robin"]
 
 class RouterSettings(ConfigStruct, kw_only=True):
     policy: RouterPolicy
-    delta_throughput_threshold: Annotated[float, msgspec.Meta(ge=0.0)] = 0.2
-    max_concurrent_per_replica: Annotated[int, msgspec.Meta(ge=1)] = 512
+    delta_throughput_threshold: NonNegativeFloat = 0.2
+    max_concurrent_per_replica: PositiveInt = 512
 
 
 # The paper launchers' router settings (reference/paper-notes.md, section 2.5)

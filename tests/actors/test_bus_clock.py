@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import io
-from collections.abc import Iterator
 
 import pytest
-import structlog
 
 from pivot.bus import (
     Actor,
@@ -19,20 +16,11 @@ from pivot.bus import (
     RequestTimeout,
     VirtualClock,
     VirtualDeadlock,
-    configure_logging,
     handles,
     run_real,
     run_virtual,
     started,
 )
-
-
-@pytest.fixture(autouse=True)
-def quiet_logs() -> Iterator[None]:
-    """Bus warnings (expected in these tests) go nowhere, and render fast."""
-    configure_logging("critical", stream=io.StringIO())
-    yield
-    structlog.reset_defaults()
 
 
 class Job(Message):

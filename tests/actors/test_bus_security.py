@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import io
-from collections.abc import Iterator
-
 import pytest
-import structlog
 
 from pivot.bus import (
     Actor,
@@ -16,19 +12,10 @@ from pivot.bus import (
     InsecureBindError,
     RequestTimeout,
     check_bind_address,
-    configure_logging,
     started,
 )
 from pivot.bus.errors import AddressError
 from pivot.bus.testing import TESTING_MESSAGES, Echo, EchoActor
-
-
-@pytest.fixture(autouse=True)
-def quiet_logs() -> Iterator[None]:
-    """Bus warnings (expected in these tests) go nowhere, and render fast."""
-    configure_logging("critical", stream=io.StringIO())
-    yield
-    structlog.reset_defaults()
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,6 @@ their supervisor."""
 from __future__ import annotations
 
 import asyncio
-import io
 import os
 import signal
 import subprocess
@@ -15,7 +14,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import structlog
 
 from pivot.bus import (
     Actor,
@@ -27,20 +25,11 @@ from pivot.bus import (
     SupervisorEscalation,
     Unreachable,
     VirtualClock,
-    configure_logging,
     run_real,
     run_virtual,
     started,
 )
 from pivot.bus.testing import TESTING_MESSAGES, Crash, Echo, EchoActor
-
-
-@pytest.fixture(autouse=True)
-def quiet_logs() -> Iterator[None]:
-    """Bus warnings (expected in these tests) go nowhere, and render fast."""
-    configure_logging("critical", stream=io.StringIO())
-    yield
-    structlog.reset_defaults()
 
 
 class Flaky(Actor):

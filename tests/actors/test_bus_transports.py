@@ -6,7 +6,7 @@ import asyncio
 import io
 import json
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 
 import msgspec
 import pynng
@@ -30,15 +30,6 @@ from pivot.bus import (
 from pivot.bus.codec import Codec
 from pivot.bus.nng import NngTransport
 from pivot.bus.testing import TESTING_MESSAGES, Crash, Echo, EchoActor, Echoed, Fail
-
-
-@pytest.fixture(autouse=True)
-def quiet_logs() -> Iterator[None]:
-    """Bus warnings (expected in these tests) go nowhere, and render fast."""
-    configure_logging("critical", stream=io.StringIO())
-    yield
-    structlog.reset_defaults()
-
 
 NAMES = ["server", "client", "other", "ghost"]  # "ghost" is in the directory, never started
 

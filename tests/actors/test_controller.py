@@ -7,10 +7,7 @@ it would have produced without the shift; every sequence must complete exactly o
 
 from __future__ import annotations
 
-import io
-
 import pytest
-import structlog
 
 from pivot.actors.agent import Inline, RoleAgent
 from pivot.actors.controller import Controller, ControllerSettings, open_journal
@@ -47,7 +44,6 @@ from pivot.bus import (
     Bus,
     LocalTransport,
     RemoteError,
-    configure_logging,
     handles,
     run_virtual,
 )
@@ -71,14 +67,6 @@ SETTINGS = ControllerSettings(
         min_awake_per_role=1, cooldown_s=2.0, immunity_s=2.0, migrate_time_init_s=0.05
     ),
 )
-
-
-@pytest.fixture(autouse=True)
-def quiet_logs():
-    # the console renderer draws every expected crash's traceback with its locals: slow
-    configure_logging("warning", stream=io.StringIO())
-    yield
-    structlog.reset_defaults()
 
 
 def script(seed: int, length: int) -> list[int]:

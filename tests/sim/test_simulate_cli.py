@@ -7,16 +7,9 @@ import argparse
 import json
 
 import pytest
-import structlog
 from toy import toy_workload
 
 from pivot.cli import simulate
-
-
-@pytest.fixture(autouse=True)
-def reset_logs():
-    yield
-    structlog.reset_defaults()
 
 
 def _run(argv: list[str], capsys) -> str:

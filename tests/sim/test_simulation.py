@@ -5,7 +5,6 @@ runs go, Controller crashes injected, and same-seed runs compared byte for byte.
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 import subprocess
 import sys
@@ -13,7 +12,6 @@ from pathlib import Path
 
 import msgspec
 import pytest
-import structlog
 from toy import ITL, toy_workload
 
 from pivot.actors.simulation import (
@@ -22,7 +20,7 @@ from pivot.actors.simulation import (
     simulated_cluster,
 )
 from pivot.actors.testing import FaultPlan, InvariantViolation, MessageFault
-from pivot.bus import configure_logging, run_virtual
+from pivot.bus import run_virtual
 from pivot.cluster import ClusterSpec, Device, Pool, Role, RoleSpec
 from pivot.deployment import DeploymentKind, Split, sweep_splits, table4_split
 from pivot.planning.plans import TRAINER_ID
@@ -30,13 +28,6 @@ from pivot.planning.snapshot import ClusterSnapshot, QueueState, ReplicaState, T
 from pivot.planning.staging import StagePolicy
 from pivot.shift import ShiftRecord, recover
 from pivot.workload import load_workload
-
-
-@pytest.fixture(autouse=True)
-def quiet_logs():
-    configure_logging("error", stream=io.StringIO())
-    yield
-    structlog.reset_defaults()
 
 
 def disaggregated(gpus: int = 3, rollout: int = 1, reward: int = 1) -> Split:

@@ -20,7 +20,7 @@ from pivot.config import ConfigError, decode_toml
 
 
 def test_config_places_trainer_pool_on_last_hosts():
-    spec = cluster(hosts=4, per_host=4, trainer_hosts=1)
+    spec = cluster(hosts=4, devices_per_host=4, trainer_hosts=1)
     assert spec.trainer_pool == (12, 13, 14, 15)
     assert [d.pool for d in spec.devices[:12]] == [Pool.SHARED] * 12
     assert spec.replica_size(Role.REWARD) == 4
@@ -28,16 +28,16 @@ def test_config_places_trainer_pool_on_last_hosts():
 
 
 def test_slots_are_aligned_within_hosts_and_span_whole_hosts():
-    spec = cluster(hosts=4, per_host=4, reward_tp=2)
+    spec = cluster(hosts=4, devices_per_host=4, reward_tp=2)
     assert spec.slots(Role.REWARD).tolist()[:3] == [[0, 1], [2, 3], [4, 5]]
     assert spec.slots(Role.ROLLOUT).shape == (16, 1)
-    wide = cluster(hosts=4, per_host=2, trainer_hosts=0, reward_tp=4)
+    wide = cluster(hosts=4, devices_per_host=2, trainer_hosts=0, reward_tp=4)
     assert wide.slots(Role.REWARD).tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
 def test_layout_that_fits_no_host_is_rejected_early():
     with pytest.raises(ClusterError, match="fits neither inside a host"):
-        cluster(hosts=4, per_host=3, trainer_hosts=0, reward_tp=4)
+        cluster(hosts=4, devices_per_host=3, trainer_hosts=0, reward_tp=4)
 
 
 def test_cluster_config_from_toml_names_bad_key():

@@ -86,6 +86,32 @@ def test_constraint_violation_names_the_rule():
     assert err.value.key == "rollout.top_p" and err.value.expected == "float <= 1.0"
 
 
+@pytest.mark.parametrize(
+    ("alias", "edge", "past", "rule"),
+    [
+        ("PositiveInt", 1, 0, "int >= 1"),
+        ("NonNegativeInt", 0, -1, "int >= 0"),
+        ("PositiveFloat", 1e-9, 0.0, "float > 0.0"),
+        ("NonNegativeFloat", 0.0, -1e-9, "float >= 0.0"),
+        ("Seconds", 1e-9, 0.0, "float > 0.0"),
+        ("Fraction", 1.0, 0.0, "float > 0.0"),
+        ("UnitInterval", 0.0, 1.5, "float <= 1.0"),
+        ("OpenUnitInterval", 0.5, 1.0, "float < 1.0"),
+        ("Correlation", -1.0, 1.5, "float <= 1.0"),
+    ],
+)
+def test_shared_constraint_aliases_accept_the_edge_and_name_the_rule(alias, edge, past, rule):
+    import msgspec
+
+    import pivot.config as config
+
+    section = msgspec.defstruct("Section", [("x", getattr(config, alias))], bases=(ConfigStruct,))
+    assert config.convert({"x": edge}, section, "s").x == edge
+    with pytest.raises(ConfigError) as err:
+        config.convert({"x": past}, section, "s")
+    assert (err.value.key, err.value.expected) == ("x", rule)
+
+
 def test_shipped_tiny_config_is_valid():
     from pathlib import Path
 

@@ -8,18 +8,13 @@ returns none exactly when every candidate loses.
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from planner_cases import MODELS, cluster
+from planner_cases import MODELS
 
 from pivot.cluster import INFERENCE_ROLES, Role, other_inference_role
+from pivot.planning import scenarios
 from pivot.planning.planner import PlannerSettings, plan_shift
 from pivot.planning.queue import Owner, SequenceLedger
-from pivot.planning.snapshot import (
-    ClusterSnapshot,
-    QueueState,
-    ReplicaState,
-    TrainerPhase,
-    validate_snapshot,
-)
+from pivot.planning.snapshot import ReplicaState, TrainerPhase, validate_snapshot
 
 NOW = 1000.0
 
@@ -31,7 +26,7 @@ def cases(draw):
     trainer_hosts = draw(st.integers(0, min(2, hosts - 1)))
     rollout_tp = draw(st.sampled_from([1, 2]))
     reward_tp = draw(st.sampled_from([1, 2, 4]))
-    spec = cluster(hosts, per_host, trainer_hosts, rollout_tp, reward_tp)
+    spec = scenarios.cluster(hosts, per_host, trainer_hosts, rollout_tp, reward_tp)
     phase = draw(
         st.sampled_from([TrainerPhase.WAITING, TrainerPhase.TRAINING] * 2 + [TrainerPhase.READY])
     )
@@ -41,8 +36,8 @@ def cases(draw):
     taken = set(spec.trainer_pool) if trainer_holds else set()
     replicas: list[ReplicaState] = []
     if trainer_holds:
-        replicas.append(ReplicaState(id="trainer", role=Role.TRAINING, devices=spec.trainer_pool))
-    seq = 0
+        replicas.append(scenarios.training(spec))
+    ids = scenarios.sequence_ids()
     order = list(INFERENCE_ROLES)
     if draw(st.booleans()):
         order.reverse()
@@ -52,27 +47,24 @@ def cases(draw):
                 continue
             taken.update(row)
             running = draw(st.integers(0, 30))
-            tokens = tuple(
-                draw(st.lists(st.integers(100, 12000), min_size=running, max_size=running))
-            )
+            tokens = draw(st.lists(st.integers(100, 12000), min_size=running, max_size=running))
             replicas.append(
-                ReplicaState(
-                    id=f"{role.value}{row[0]}",
-                    role=role,
-                    devices=tuple(row),
-                    seq_ids=tuple(range(seq, seq + running)),
-                    seq_tokens=tokens,
+                scenarios.replica(
+                    f"{role.value}{row[0]}",
+                    role,
+                    row,
+                    tokens,
+                    ids=ids,
                     itl_s=draw(st.sampled_from([0.0, 0.01, 0.05])),
                     woken_at=draw(st.sampled_from([None, NOW - 3.0, NOW - 30.0])),
                 )
             )
-            seq += running
     queues = [draw(st.integers(0, 400)) for _ in range(2)]
-    snap = ClusterSnapshot(
+    snap = scenarios.snapshot(
+        *replicas,
         now=NOW,
-        replicas=tuple(replicas),
-        rollout_queue=QueueState(queues[0], queues[0] * draw(st.integers(500, 5000))),
-        reward_queue=QueueState(queues[1], queues[1] * draw(st.integers(500, 5000))),
+        rollout_queue=(queues[0], queues[0] * draw(st.integers(500, 5000))),
+        reward_queue=(queues[1], queues[1] * draw(st.integers(500, 5000))),
         trainer=phase,
     )
     cfg = PlannerSettings(
