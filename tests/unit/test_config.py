@@ -143,40 +143,53 @@ def test_job_rules_across_sections():
     assert err.value.key == "training.temperature"
 
 
-def _layout(text: str):
+def _plan(text: str):
     from pivot.job import JobConfig
 
-    return decode_toml(text, JobConfig, "j.toml").validate("j.toml").layout()
+    return decode_toml(text, JobConfig, "j.toml").validate("j.toml").plan()
 
 
-def test_deployment_layouts_of_a_four_device_job():
+def _starts(deployment) -> dict:
+    """What each agent device starts as: its role (free where nothing is placed)."""
+    from pivot.cluster import Role
+
+    placed = deployment.placements
+    return {d: placed[d].role if d in placed else Role.FREE for d in deployment.agent_devices}
+
+
+def test_deployment_plans_of_a_four_device_job():
     from pivot.cluster import Role
 
     ro, rm, free = Role.ROLLOUT, Role.REWARD, Role.FREE
-    pivot = _layout("[deployment]\nkind = 'pivot'\n")
-    assert pivot.trainer_pool == (2, 3)
-    assert pivot.initial_roles == {0: ro, 1: rm, 2: free, 3: free}
-    assert pivot.managed and pivot.lends_trainer
+    pivot = _plan("[deployment]\nkind = 'pivot'\n")
+    assert pivot.trainer_devices == (2, 3) and pivot.lent_pool == (2, 3)
+    # a real job's lent pool starts free: its Controller lends it before the first step
+    assert _starts(pivot) == {0: ro, 1: rm, 2: free, 3: free}
+    assert pivot.managed == 4 and pivot.policy == "planner"
+    assert pivot.placements[0].replica == "rollout@0" and pivot.placements[1].replica == "reward@1"
 
     # fixed pools: the trainer pool hosts no role agent
-    dis = _layout("[deployment]\nkind = 'disaggregated'\n")
-    assert dis.trainer_pool == (2, 3) and dis.inference_devices == (0, 1)
-    assert dis.initial_roles == {0: ro, 1: rm}
-    assert not dis.managed and not dis.lends_trainer
+    dis = _plan("[deployment]\nkind = 'disaggregated'\n")
+    assert dis.trainer_devices == (2, 3) and dis.agent_devices == (0, 1)
+    assert _starts(dis) == {0: ro, 1: rm}
+    assert not dis.managed and dis.policy == "none" and dis.lent_pool == ()
+    assert dis.engine_roles(0) == (ro,)  # an unmanaged agent keeps only its role's engine
 
     # rollout-reward colocated: the shared devices all start with rollout
-    rr = _layout("[deployment]\nkind = 'rr-colocated'\n")
-    assert rr.initial_roles == {0: ro, 1: ro}
-    assert rr.managed and not rr.lends_trainer
+    rr = _plan("[deployment]\nkind = 'rr-colocated'\n")
+    assert _starts(rr) == {0: ro, 1: ro}
+    assert rr.managed == 2 and rr.policy == "stages" and rr.lent_pool == ()
+    assert rr.engine_roles(0) == (ro, rm)
 
     # colocated: every device trains and serves inference in turn
-    co = _layout("[deployment]\nkind = 'colocated'\n")
-    assert co.trainer_pool == (0, 1, 2, 3)
-    assert co.initial_roles == dict.fromkeys(range(4), free)
-    assert co.managed and co.lends_trainer
+    co = _plan("[deployment]\nkind = 'colocated'\n")
+    assert co.trainer_devices == (0, 1, 2, 3)
+    assert _starts(co) == dict.fromkeys(range(4), free)
+    assert co.managed == 4 and co.policy == "stages"
 
-    exact = _layout("[reward]\nkind = 'exact'\n[deployment]\nrollout_devices = 1\n")
-    assert exact.initial_roles == {0: ro, 1: ro, 2: free, 3: free}
+    exact = _plan("[reward]\nkind = 'exact'\n[deployment]\nrollout_devices = 1\n")
+    assert _starts(exact) == {0: ro, 1: ro, 2: free, 3: free}
+    assert exact.roles == (ro,)
 
 
 def test_unknown_deployment_kind_names_the_choices():
