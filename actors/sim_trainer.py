@@ -22,11 +22,11 @@ import asyncio
 import contextlib
 
 from pivot.actors.shift_messages import TrainerPhaseChanged
-from pivot.actors.sources import SimTrainBatch
 from pivot.actors.trainer_messages import (
     OffloadTrainer,
     QueryTrainer,
     ReloadTrainer,
+    SimTrainBatch,
     Trained,
     TrainerState,
     TrainerStateName,

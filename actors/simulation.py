@@ -49,8 +49,7 @@ from typing import Any, Literal
 import msgspec
 
 import pivot.actors.shift_messages  # noqa: F401 - registers the shift messages in rl_messages()
-import pivot.actors.sources  # noqa: F401 - registers SimTrainBatch
-import pivot.actors.trainer_messages  # noqa: F401 - registers the trainer messages
+import pivot.actors.trainer_messages  # noqa: F401 - registers the trainer messages (SimTrainBatch)
 from pivot.actors.agent import RoleAgent
 from pivot.actors.controller import Controller, ControllerSettings
 from pivot.actors.driver import Driver, StepReport
