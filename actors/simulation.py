@@ -57,8 +57,9 @@ from pivot.actors.journal import Journal
 from pivot.actors.messages import rl_messages
 from pivot.actors.scheduler import Scheduler
 from pivot.actors.shift_messages import AllocationChanged, ShiftFinished, ShiftStarted
-from pivot.actors.sim_trainer import SimTrainerActor
 from pivot.actors.sources import WorkloadSource
+from pivot.actors.trainer import Trainer
+from pivot.actors.trainer_sim import SimTrainingBackend
 from pivot.bus import Actor, Bus, LocalTransport, run_virtual
 from pivot.cluster import (
     INFERENCE_ROLES,
@@ -552,10 +553,10 @@ class _Run:
             return 0.0
 
         sim_trainer = workload.make_trainer(layout.trainer_devices)
-        self.trainer = SimTrainerActor(
+        self.trainer = Trainer(
             TRAINER,
             self.bus,
-            trainer=sim_trainer,
+            backend=SimTrainingBackend(sim_trainer, clock=self.clock),
             controller=CONTROLLER if layout.trainer_pool else None,
         )
 
@@ -767,10 +768,10 @@ class _Run:
                 )
         if self.layout.trainer_pool:
             holds = bool(allocation.of_role(Role.TRAINING))
-            if holds != self.trainer.trainer.awake:
+            if holds != self.trainer.holds_pool:
                 raise SimulationError(
                     f"the allocation {'gives' if holds else 'lends'} the trainer pool but the "
-                    f"trainer is {'awake' if self.trainer.trainer.awake else 'offloaded'}"
+                    f"trainer {'holds' if self.trainer.holds_pool else 'lends'} it"
                 )
 
     def _check_devices(self, expected: Mapping[int, tuple[Role, str, tuple[int, ...]]]) -> None:

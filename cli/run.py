@@ -32,7 +32,7 @@ from pivot.actors.monitor import Monitor
 from pivot.actors.scheduler import Scheduler
 from pivot.actors.shift_messages import AllocationReport, QueryAllocation, TrainerPhaseChanged
 from pivot.actors.sources import TaskSource
-from pivot.actors.trainer import trainer_names
+from pivot.actors.trainer_deepspeed import add_trainer_group, trainer_names
 from pivot.assets import ASSETS
 from pivot.bus import Bus, Directory, RestartPolicy, Supervisor, configure_logging, run_real
 from pivot.cli.live import LiveView
@@ -147,8 +147,6 @@ class Job:
             )
 
     def add_trainer(self, sup: Supervisor) -> None:
-        from pivot.actors.trainer import add_trainer_group
-
         add_trainer_group(
             sup,
             "trainer",
