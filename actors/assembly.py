@@ -33,7 +33,8 @@ from pivot.actors.journal import Journal
 from pivot.actors.scheduler import Scheduler
 from pivot.actors.shift_messages import AllocationReport, QueryAllocation, TrainerPhaseChanged
 from pivot.actors.sources import Source
-from pivot.bus import Actor, Bus, RestartPolicy, Supervisor
+from pivot.actors.trainer import Trainer, TrainingBackend
+from pivot.bus import Actor, Bus, Clock, RestartPolicy, Supervisor
 from pivot.bus.supervisor import ActorFactory
 from pivot.cluster import INFERENCE_ROLES, Role, RoleSpec
 from pivot.deployment import Deployment
@@ -83,12 +84,26 @@ class AgentParts(NamedTuple):
 
 class ChildProcess(NamedTuple):
     """An actor in a supervised child process: ``target`` is ``"module:function"``, called
-    there as ``function(name, **kwargs)`` (see ``Supervisor.add_process``)."""
+    there as ``function(name, **kwargs)`` (see ``Supervisor.add_process``); ``policy`` None:
+    the supervisor's."""
 
     target: str
     kwargs: dict[str, Any]
     env: dict[str, str]
     ready_timeout: float
+    policy: RestartPolicy | None = None
+    stop_timeout: float = 5.0
+
+    def add_to(self, supervisor: Supervisor, name: str) -> None:
+        supervisor.add_process(
+            name,
+            self.target,
+            kwargs=self.kwargs,
+            env=self.env,
+            policy=self.policy,
+            ready_timeout=self.ready_timeout,
+            stop_timeout=self.stop_timeout,
+        )
 
 
 class Backend(Protocol):
@@ -105,16 +120,14 @@ class Backend(Protocol):
         an agent in this process), or the child process that hosts it."""
         ...
 
-    def add_trainer(
-        self,
-        supervisor: Supervisor,
-        bus: Bus,
-        name: str,
-        deployment: Deployment,
-        controller: str | None,
-    ) -> None:
-        """Supervise the trainer (``name``) of ``deployment.trainer_devices``; ``controller``:
-        whom a batch that finds the pool lent asks for it (None: the trainer reloads itself)."""
+    def trainer(
+        self, name: str, deployment: Deployment, controller: str | None
+    ) -> Callable[[Clock], TrainingBackend] | Sequence[tuple[str, ChildProcess]]:
+        """The training backend of the trainer ``name`` on ``deployment.trainer_devices``,
+        made at each start of a trainer in this process (on the job's clock), or the child
+        processes of its ranks (actor name, process; the first-named stops last).
+        ``controller``: whom a batch that finds the pool lent asks for it (None: the trainer
+        reloads by itself)."""
         ...
 
 
@@ -215,7 +228,17 @@ def assemble(
             policy=ONCE,
         )
     lends = CONTROLLER if deployment.lends_trainer else None
-    backend.add_trainer(supervisor, bus, TRAINER, deployment, lends)
+    trainer = backend.trainer(TRAINER, deployment, lends)
+    if callable(trainer):
+        make = trainer
+        supervisor.add_actor(
+            TRAINER,
+            lambda: Trainer(TRAINER, bus, backend=make(bus.clock), controller=lends),
+            policy=ONCE,
+        )
+    else:
+        for name, child in trainer:
+            child.add_to(supervisor, name)
     for device in deployment.agent_devices:
         placed = deployment.placement(device)
         role = placed.role if placed is not None else Role.FREE
@@ -270,13 +293,7 @@ def assemble(
 def _add_agent(supervisor: Supervisor, bus: Bus, backend: Backend, start: AgentStart) -> None:
     made = backend.agent(start)
     if isinstance(made, ChildProcess):
-        supervisor.add_process(
-            start.name,
-            made.target,
-            kwargs=made.kwargs,
-            env=made.env,
-            ready_timeout=made.ready_timeout,
-        )
+        made.add_to(supervisor, start.name)
         return
 
     def agent() -> RoleAgent:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from pivot.actors.assembly import AgentStart, ChildProcess
-from pivot.bus import Bus, Directory, Supervisor
+from pivot.bus import Directory
 from pivot.cluster import Role
 from pivot.deployment import Deployment
 from pivot.planning.routing import Router
@@ -79,18 +79,12 @@ class ProcessBackend:
             ready_timeout=AGENT_READY_TIMEOUT_S,
         )
 
-    def add_trainer(
-        self,
-        supervisor: Supervisor,
-        bus: Bus,
-        name: str,
-        deployment: Deployment,
-        controller: str | None,
-    ) -> None:
-        from pivot.actors.trainer import add_trainer_group
+    def trainer(
+        self, name: str, deployment: Deployment, controller: str | None
+    ) -> list[tuple[str, ChildProcess]]:
+        from pivot.actors.trainer_deepspeed import trainer_group
 
-        add_trainer_group(
-            supervisor,
+        return trainer_group(
             name,
             directory=self.directory,
             checkpoint=self.checkpoints[Role.ROLLOUT],

@@ -48,11 +48,11 @@ from pivot.actors.controller import ControllerSettings
 from pivot.actors.journal import Journal
 from pivot.actors.scheduler import Scheduler
 from pivot.actors.shift_messages import AllocationChanged, ShiftFinished, ShiftStarted
-from pivot.actors.sim_trainer import SimTrainerActor
 from pivot.actors.sources import WorkloadSource
 from pivot.actors.testing import FaultPlan, InvariantViolation, LocalCluster
+from pivot.actors.trainer_sim import SimTrainingBackend
 from pivot.actors.vocabulary import SHIFT_TOPIC
-from pivot.bus import Actor, Bus, Supervisor, run_virtual
+from pivot.bus import Actor, Bus, Clock, run_virtual
 from pivot.bus.supervisor import SupervisorEscalation
 from pivot.cluster import INFERENCE_ROLES, Role, RoleSpec
 from pivot.config import ConfigStruct
@@ -330,18 +330,11 @@ class SimBackend:
 
         return parts
 
-    def add_trainer(
-        self,
-        supervisor: Supervisor,
-        bus: Bus,
-        name: str,
-        deployment: Deployment,
-        controller: str | None,
-    ) -> None:
-        self.trainer_engine = trainer = self.workload.make_trainer(len(deployment.trainer_devices))
-        supervisor.add_actor(
-            name, lambda: SimTrainerActor(name, bus, trainer=trainer, controller=controller)
-        )
+    def trainer(
+        self, name: str, deployment: Deployment, controller: str | None
+    ) -> Callable[[Clock], SimTrainingBackend]:
+        self.trainer_engine = engine = self.workload.make_trainer(len(deployment.trainer_devices))
+        return lambda clock: SimTrainingBackend(engine, clock=clock)
 
 
 def simulation_deployment(workload: Workload, split: Split) -> Deployment:

@@ -10,6 +10,7 @@ from typing import Protocol
 import msgspec
 
 from pivot.actors.messages import Completion, Placeholders, RLMessage, TokenIds, Work
+from pivot.actors.trainer_messages import SimTrainBatch, TrainBatch
 from pivot.engines.protocol import SamplingParams
 from pivot.engines.tokenizer import TextCodec
 from pivot.task import (
@@ -33,14 +34,6 @@ class Sample(msgspec.Struct, kw_only=True):
     score: float | None = None
     correct: bool | None = None  # the exact checker, when the source has one
     malformed: bool = False  # the judgment had no readable verdict (scored 0)
-
-
-class SimTrainBatch(RLMessage, kw_only=True):
-    """Driver -> simulated trainer: a step over this many sequences and tokens."""
-
-    step: int
-    sequences: int
-    tokens: int
 
 
 class Source(Protocol):
@@ -144,7 +137,6 @@ class TaskSource:
         return judgment.score
 
     def train_request(self, step: int, samples: list[Sample]) -> RLMessage:
-        from pivot.actors.trainer_messages import TrainBatch
         from pivot.training import RolloutSample
 
         return TrainBatch(

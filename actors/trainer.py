@@ -1,468 +1,57 @@
-"""The training role: a DeepSpeed backend of ``pivot.grpo.TrainingEngine`` and the actors that
-run it, one process per training rank (one CPU "device" each, torch pinned to its threads).
+"""The training role: the ``Trainer`` actor, its state machine (idle / training / offloaded)
+and the protocol of the training backends it drives, which do the work: DeepSpeed over a
+group of rank processes (``pivot.actors.trainer_deepspeed``) or a cost model in virtual time
+(``pivot.actors.trainer_sim``). The Controller and the Driver talk to one trainer whatever
+its backend.
 
-Ranks and who talks to whom. Every rank is a supervised child process with an actor, so a
-Ctrl-C or a crash leaves no orphans (``add_trainer_group``). Only rank 0, the ``Trainer``
-actor, takes requests: TrainBatch, OffloadTrainer, ReloadTrainer, QueryTrainer. It turns
-each into a command and broadcasts it over torch.distributed (gloo, a group of its own);
-every other rank (``TrainerFollower``) waits in that broadcast and runs the same command, so
-all ranks make the same DeepSpeed calls in the same order (SPMD). A training command carries
-the whole padded batch (small: token ids and a few floats per token); each rank takes its
-data-parallel share (``GRPOBatch.shard``). After each step rank 0 writes the full updated
-policy, in Hugging Face names, to the GPS host store as the new version. One actor per rank
-with its own requests would have made the caller coordinate the ranks; this way the bus sees
-one trainer, and the ranks stay in step by construction.
+Requests (``pivot.actors.trainer_messages``):
 
-DeepSpeed on CPU (reference/platform-notes.md §2): gloo, fp32, torch's AdamW at ZeRO 1/2
-(no FusedAdam JIT). ZeRO-3 builds the model under ``zero.Init`` and uses FusedAdam, since
-DeepSpeed's ``offload_states`` refuses other optimizers at stage 3; its first use JIT-builds
-the op (about 45 s, cached in ~/.cache/torch_extensions). ``offload_states`` /
-``reload_states`` move CPU tensors to CPU here: they free nothing, but run the same path as on
-GPUs. The ``deepspeed_shm_comm`` op, which DeepSpeed JIT-builds (about 30 s, a C++ toolchain
-needed) on every first ``init_distributed``, serves only inference all-reduce; the trainer
-skips building it.
+* ``TrainBatch`` / ``SimTrainBatch`` -> ``Trained``: one step; ``stats.version`` is the new
+  policy version. The backend validates the batch before anything runs. A batch that finds
+  the pool lent puts the trainer in state ``training`` at once (the Controller reads
+  "training without its pool" as "reclaim it"); with a ``controller`` named, the trainer
+  also tells it (``TrainerPhaseChanged(ready)``) and trains once ``ReloadTrainer`` came;
+  without one it reloads by itself.
+* ``OffloadTrainer`` lends the pool, ``ReloadTrainer`` takes it back; both idempotent.
+* ``QueryTrainer`` -> ``TrainerStatus``, answered at once, even mid-step.
 
-Gradients are accumulated by the caller (DeepSpeed's ``managed_gradient_accumulation``
-off): a step runs as many micro-batches as the rank's share needs, every rank the same
-number (shards are padded with empty rows), then one ``engine.step()``.
+The state is published on topic ``trainer`` (``TrainerState``) whenever it changes. A backend
+command that fails leaves the backend in an unknown state (for DeepSpeed: ranks that may
+disagree): the request gets the error, and the actor crashes (its supervisor decides).
+
+    Trainer(name, bus, *, backend, controller=None)
+        .state, .holds_pool, .steps
+        .spans: [TrainSpan]   when each step trained, on the actor's clock
+        .offloads, .reloads, .shift_s   how often and how long the pool moved
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
-import functools
-import gc
-import hashlib
-import logging
-import os
-import sys
-import threading
-import time
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar
 
-import torch
+import msgspec
 
 from pivot.actors.shift_messages import TrainerPhaseChanged
 from pivot.actors.trainer_messages import (
     OffloadTrainer,
     QueryTrainer,
     ReloadTrainer,
+    SimTrainBatch,
     TrainBatch,
     Trained,
     TrainerState,
     TrainerStateName,
     TrainerStatus,
 )
-from pivot.actors.vocabulary import rl_messages
-from pivot.bus import Actor, Bus, BusError, Directory, RestartPolicy, Supervisor, handles
-from pivot.config import convert
-from pivot.grpo import (
-    GRPOBatch,
-    LossSums,
-    TrainingSettings,
-    TrainStats,
-    build_batch,
-    policy_loss,
-    token_logprobs,
-    warmup_factor,
-)
+from pivot.actors.vocabulary import TRAINER_TOPIC
+from pivot.bus import Actor, Bus, BusError, handles
+from pivot.timeline import TrainSpan
+from pivot.training import TrainStats
 
-#: How long a collective may wait; followers wait for the next command in one, and a
-#: batch can take a long time to roll out and score.
-COMMAND_TIMEOUT = datetime.timedelta(days=7)
-COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
-
-
-class TrainerOffloaded(RuntimeError):
-    """train_step or export while the state is offloaded: reload first."""
-
-
-def trainer_names(name: str, world_size: int) -> list[str]:
-    """The actor names of a trainer group: rank 0 is ``name`` (the one others address),
-    rank r > 0 is ``f"{name}-{r}"``. Every one needs an entry in the job's directory."""
-    return [name] + [f"{name}-{r}" for r in range(1, world_size)]
-
-
-def _import_deepspeed():
-    """Import DeepSpeed quietly, without the shm_comm JIT build (see the module docstring)."""
-    import deepspeed
-    import deepspeed.comm.torch  # noqa: F401  (a module: ``deepspeed.comm.torch`` names torch)
-    from deepspeed.utils import logger as ds_logger
-
-    ds_logger.setLevel(logging.WARNING)
-    for handler in ds_logger.handlers:  # DeepSpeed logs to stdout, which a child keeps for READY
-        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
-            handler.setStream(sys.stderr)
-    comm_torch = sys.modules["deepspeed.comm.torch"]
-    if hasattr(comm_torch, "build_shm_op"):
-        comm_torch.build_shm_op = lambda: None
-    return deepspeed
-
-
-def init_process_group(rank: int, world_size: int, rendezvous: str) -> None:
-    """Join the trainer's gloo process group (``rendezvous``: an init_method URL such as
-    ``file:///run/trainer.rendezvous`` or ``tcp://127.0.0.1:PORT``) and set the environment
-    DeepSpeed reads, so that it needs neither a launcher nor MPI discovery."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size)
-    )
-    dist.init_process_group(
-        "gloo",
-        init_method=rendezvous,
-        rank=rank,
-        world_size=world_size,
-        timeout=COLLECTIVE_TIMEOUT,
-    )
-
-
-# ---- the backend ------------------------------------------------------------------------------
-
-
-def deepspeed_config(settings: TrainingSettings) -> dict[str, Any]:
-    """The DeepSpeed config for these settings (fp32 throughout)."""
-    zero: dict[str, Any] = {"stage": settings.zero_stage}
-    if settings.zero_stage == 3:
-        zero["stage3_param_persistence_threshold"] = settings.zero3_persistence_threshold
-    return {
-        "train_micro_batch_size_per_gpu": settings.micro_batch_size,
-        "gradient_accumulation_steps": 1,
-        # the caller owns the accumulation boundary: any number of micro-batches per step
-        "managed_gradient_accumulation": False,
-        "optimizer": {
-            "type": "AdamW",
-            "params": {
-                "lr": settings.lr,
-                "betas": list(settings.adam_betas),
-                "eps": settings.adam_eps,
-                "weight_decay": settings.weight_decay,
-                # stage 3 offloads optimizer state only with DeepSpeed's FusedAdam
-                "torch_adam": settings.zero_stage != 3,
-            },
-        },
-        "zero_optimization": zero,
-        "gradient_clipping": settings.grad_clip,
-        "steps_per_print": 2**31 - 1,
-        "wall_clock_breakdown": False,
-    }
-
-
-class DeepSpeedTrainer:
-    """``TrainingEngine`` on one rank of an initialised gloo group (every rank makes the same
-    calls). Loads a Hugging Face Qwen2 checkpoint folder; trains in fp32."""
-
-    def __init__(
-        self,
-        checkpoint: str | Path,
-        settings: TrainingSettings | None = None,
-        *,
-        clock: Callable[[], float] = time.perf_counter,
-    ) -> None:
-        import torch.distributed as dist
-        from transformers import Qwen2Config, Qwen2ForCausalLM
-
-        if not dist.is_initialized():
-            raise RuntimeError("DeepSpeedTrainer needs torch.distributed: init_process_group first")
-        deepspeed = _import_deepspeed()
-        self.settings = settings = settings or TrainingSettings()
-        self.checkpoint = str(checkpoint)
-        self.clock = clock
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
-        self._deepspeed = deepspeed
-        deepspeed.init_distributed(dist_backend="gloo")
-
-        config = Qwen2Config.from_pretrained(self.checkpoint)
-        config.use_cache = False
-        self.config = config
-        self.pad_id = config.pad_token_id if config.pad_token_id is not None else 0
-        ds_config = deepspeed_config(settings)
-        torch.manual_seed(settings.seed)
-        if settings.zero_stage == 3:
-            # built partitioned, without Hugging Face's weight init (it indexes into
-            # parameters that are empty on this rank); the checkpoint's weights come next
-            with deepspeed.zero.Init(config_dict_or_path=ds_config), _no_init_weights():
-                model = Qwen2ForCausalLM(config)
-            model.tie_weights()
-            self._load_partitioned(model)
-        else:
-            model = Qwen2ForCausalLM.from_pretrained(
-                self.checkpoint, config=config, dtype=torch.float32
-            )
-        model.train()
-        scheduler = functools.partial(_warmup_scheduler, warmup_steps=settings.warmup_steps)
-        self.engine, *_ = deepspeed.initialize(
-            model=model,
-            model_parameters=[p for p in model.parameters() if p.requires_grad],
-            config=ds_config,
-            lr_scheduler=scheduler,
-        )
-        self._reference = None
-        if settings.kl_coef > 0.0:
-            # a frozen whole copy on every rank: fine for the policies pivot trains on CPU
-            self._reference = Qwen2ForCausalLM.from_pretrained(
-                self.checkpoint, config=config, dtype=torch.float32
-            ).eval()
-            self._reference.requires_grad_(False)
-        self._version = 0
-        self._offloaded = False
-        # what exists now lives as long as the process: keep it out of the collector's way.
-        # DeepSpeed's offload_states runs gc.collect three times, ~0.8 s each over the
-        # objects of torch + transformers + deepspeed, ~1 ms each once they are frozen
-        gc.collect()
-        gc.freeze()
-        # pinned host memory needs an accelerator; on CPU it is plain memory anyway
-        self._pin = torch.cuda.is_available()
-
-    def _load_partitioned(self, model: torch.nn.Module) -> None:
-        from pivot.engines.torch_engine import read_checkpoint
-
-        # every rank reads the names, so that a bad checkpoint fails on all of them alike
-        # (not one rank inside a gather the others wait in); rank 0 copies the values
-        _, tensors = read_checkpoint(self.checkpoint)
-        if self.config.tie_word_embeddings:
-            tensors.setdefault("lm_head.weight", tensors["model.embed_tokens.weight"])
-        missing = [name for name, _ in model.named_parameters() if name not in tensors]
-        if missing:
-            raise ValueError(f"{self.checkpoint}: no tensors for parameters {missing[:5]}")
-        for name, param in model.named_parameters():
-            with self._deepspeed.zero.GatheredParameters([param], modifier_rank=0):
-                if self.rank == 0:
-                    with torch.no_grad():
-                        param.copy_(tensors[name])
-
-    # -- TrainingEngine
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    @property
-    def offloaded(self) -> bool:
-        return self._offloaded
-
-    @property
-    def zero_stage(self) -> int:
-        return self.settings.zero_stage
-
-    def train_step(self, batch: GRPOBatch) -> TrainStats:
-        """One GRPO step on the whole batch; this rank trains on its share."""
-        import torch.distributed as dist
-
-        if self._offloaded:
-            raise TrainerOffloaded("the trainer's state is offloaded: reload before training")
-        started = self.clock()
-        s = self.settings
-        shard = batch.shard(self.rank, self.world_size)
-        # ranks average their gradients: each divides its token sum by the batch's tokens
-        # over the world size, so the average is the gradient of the batch's token mean
-        denominator = max(batch.tokens, 1) / self.world_size
-        lr = float(self.engine.get_lr()[0])
-        sums = LossSums()
-        for micro in shard.micro_batches(s.micro_batch_size):
-            micro = micro.to(self.engine.device)
-            logits = self.engine(input_ids=micro.input_ids, use_cache=False).logits
-            logprobs = token_logprobs(logits, micro.input_ids, s.temperature)
-            ref = self._reference_logprobs(micro)
-            loss, part = policy_loss(
-                logprobs,
-                micro.old_logprobs,
-                micro.advantages,
-                micro.response_mask,
-                clip_low=s.clip_low,
-                clip_high=s.clip_high,
-                dual_clip=s.dual_clip,
-                ref_logprobs=ref,
-                kl_coef=s.kl_coef,
-                denominator=denominator,
-            )
-            self.engine.backward(loss, scale_wrt_gas=False)
-            sums = sums + part
-        self.engine.step()
-        grad_norm = self.engine.get_global_grad_norm()
-        totals = sums.as_tensor()
-        dist.all_reduce(totals)
-        sums = LossSums.from_tensor(totals)
-        self._version += 1
-        return TrainStats(
-            version=self._version,
-            loss=sums.mean("loss"),
-            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
-            lr=lr,
-            sequences=batch.size,
-            tokens=int(sums.tokens),
-            reward_mean=float(batch.rewards.mean()),
-            clip_fraction=sums.mean("clipped"),
-            ratio_mean=sums.mean("ratio"),
-            kl=sums.mean("kl"),
-            seconds=self.clock() - started,
-        )
-
-    def _reference_logprobs(self, micro: GRPOBatch) -> torch.Tensor | None:
-        if self._reference is None:
-            return None
-        with torch.no_grad():
-            logits = self._reference(input_ids=micro.input_ids, use_cache=False).logits
-            return token_logprobs(logits, micro.input_ids, self.settings.temperature)
-
-    def offload(self) -> None:
-        if self._offloaded:
-            return
-        self.engine.offload_states(pin_memory=self._pin)
-        self._offloaded = True
-
-    def reload(self) -> None:
-        if not self._offloaded:
-            return
-        self.engine.reload_states()
-        self._offloaded = False
-
-    def export(self) -> dict[str, torch.Tensor]:
-        """The full parameters in checkpoint names (tied ones under both names). ZeRO 1/2:
-        views of this rank's live parameters (every rank holds them whole). ZeRO-3: gathered
-        copies, a collective every rank must join."""
-        if self._offloaded:
-            raise TrainerOffloaded("the trainer's state is offloaded: reload before exporting")
-        module = self.engine.module
-        if self.settings.zero_stage == 3:
-            params = list(module.parameters())
-            with self._deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-                return {k: v.detach().clone() for k, v in module.state_dict().items()}
-        return {k: v.detach() for k, v in module.state_dict().items()}
-
-    def fingerprint(self) -> str:
-        """sha256 of the exported parameters (names sorted, raw bytes)."""
-        return fingerprint(self.export())
-
-
-def fingerprint(tensors: Mapping[str, torch.Tensor]) -> str:
-    """sha256 over the tensors' names and raw bytes, names sorted."""
-    digest = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].detach().to("cpu").contiguous()
-        digest.update(name.encode())
-        digest.update(str(t.dtype).encode())
-        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return digest.hexdigest()
-
-
-def _no_init_weights():
-    try:
-        from transformers.initialization import no_init_weights  # transformers >= 5
-    except ImportError:
-        from transformers.modeling_utils import no_init_weights
-    return no_init_weights()
-
-
-def _warmup_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int):
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, functools.partial(warmup_factor, warmup_steps=warmup_steps)
-    )
-
-
-# ---- the rank group: one command, every rank ---------------------------------------------------
-
-
-@dataclass
-class RankCommand:
-    """What rank 0 broadcasts. ``kind``: train | publish | offload | reload | fingerprint |
-    quit. ``publish``: write the policy to GPS after a train command (every rank must know:
-    under ZeRO-3 they all join the gather)."""
-
-    kind: str
-    batch: GRPOBatch | None = None
-    publish: bool = False
-
-
-class RankGroup:
-    """Runs commands on every rank of a trainer group: rank 0 ``lead``s (broadcast, then
-    run), the other ranks ``follow`` until told to quit. Blocking calls: run them off the
-    event loop."""
-
-    def __init__(self, engine: DeepSpeedTrainer, *, store: Any | None = None) -> None:
-        import torch.distributed as dist
-
-        self.engine = engine
-        self.rank = engine.rank
-        self.world_size = engine.world_size
-        self.store = store  # a ParameterStore on rank 0, None elsewhere
-        # commands travel in a group of their own, with a long timeout: followers wait in
-        # it for the next batch
-        self._group = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
-        self.last_write_s = 0.0
-
-    def _exchange(self, command: RankCommand | None) -> RankCommand:
-        import torch.distributed as dist
-
-        box = [command]
-        dist.broadcast_object_list(box, src=0, group=self._group)
-        assert box[0] is not None
-        return box[0]
-
-    def lead(self, command: RankCommand) -> Any:
-        if self.rank != 0:
-            raise RuntimeError("only rank 0 leads the trainer group")
-        return self._run(self._exchange(command))
-
-    def follow(self) -> None:
-        if self.rank == 0:
-            raise RuntimeError("rank 0 leads the trainer group; it does not follow")
-        while True:
-            command = self._exchange(None)
-            self._run(command)
-            if command.kind == "quit":
-                return
-
-    def _run(self, command: RankCommand) -> Any:
-        import torch.distributed as dist
-
-        engine = self.engine
-        if command.kind == "train":
-            assert command.batch is not None
-            stats = engine.train_step(command.batch)
-            if command.publish:
-                self._publish(stats.version)
-            return stats
-        if command.kind == "publish":
-            self._publish(engine.version)
-            return None
-        if command.kind == "offload":
-            engine.offload()
-            dist.barrier(group=self._group)
-            return None
-        if command.kind == "reload":
-            engine.reload()
-            dist.barrier(group=self._group)
-            return None
-        if command.kind == "fingerprint":
-            digests: list[str | None] = [None] * self.world_size
-            dist.all_gather_object(digests, engine.fingerprint(), group=self._group)
-            return digests
-        if command.kind == "quit":
-            return None
-        raise ValueError(f"unknown trainer command {command.kind!r}")
-
-    def _publish(self, version: int) -> None:
-        """Write the policy to GPS as ``version`` (rank 0 writes; under ZeRO-3 every rank
-        joins the gather)."""
-        if self.store is None and self.engine.zero_stage != 3:
-            return  # ZeRO 1/2: nothing to gather, nothing to write on this rank
-        tensors = self.engine.export()
-        if self.store is not None:
-            started = time.perf_counter()
-            self.store.write(tensors, version=version)
-            self.last_write_s = time.perf_counter() - started
-
-
-# ---- the actors -------------------------------------------------------------------------------
+T = TypeVar("T")
 
 
 class TrainerBusy(RuntimeError):
@@ -470,147 +59,174 @@ class TrainerBusy(RuntimeError):
     offload while a batch waits or trains."""
 
 
+class TrainerOffloaded(RuntimeError):
+    """A request that needs the parameters on the devices while they are offloaded."""
+
+
+class TrainResult(msgspec.Struct, frozen=True, kw_only=True):
+    """What a backend's step returns: its statistics and the GPS version it wrote (None: the
+    backend has no store) with the seconds the write took."""
+
+    stats: TrainStats
+    gps_version: int | None
+    gps_write_s: float = 0.0
+
+
+class TrainingBackend(Protocol):
+    """What the ``Trainer`` drives. It calls one command at a time (``start``, ``train``,
+    ``offload``, ``reload``, ``fingerprints``, ``close``), never ``train`` or
+    ``fingerprints`` while offloaded; a backend starts with its state on the devices."""
+
+    @property
+    def version(self) -> int:
+        """The policy version: 0 for the checkpoint, +1 per step."""
+        ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def zero_stage(self) -> int: ...
+
+    @property
+    def store(self) -> str | None:
+        """The GPS store each version is written to, if any."""
+        ...
+
+    async def start(self) -> None:
+        """Before the first request (DeepSpeed: publish version 0 to GPS)."""
+        ...
+
+    async def prepare(self, msg: TrainBatch | SimTrainBatch) -> Any:
+        """Validate a batch message and return what ``train`` takes; raises on a bad batch
+        (or one of the other kind). Not a command: it may run while one does."""
+        ...
+
+    async def train(self, batch: Any) -> TrainResult: ...
+
+    async def offload(self) -> float:
+        """Move the state off the devices; returns the seconds it took."""
+        ...
+
+    async def reload(self) -> float:
+        """Move the state back; returns the seconds it took."""
+        ...
+
+    async def fingerprints(self) -> list[str]:
+        """Per rank, a digest of its parameters."""
+        ...
+
+    async def close(self) -> None: ...
+
+
 class Trainer(Actor):
-    """Rank 0 of a trainer group: takes the role's requests and leads the other ranks.
-
-    The protocol is the simulated trainer's (``pivot.actors.sim_trainer``), so the Controller
-    drives both alike. ``OffloadTrainer`` lends the pool, ``ReloadTrainer`` takes it back
-    (both idempotent). A ``TrainBatch`` that arrives while the pool is lent puts the trainer
-    in state ``training`` at once (the Controller reads "training without its pool" as
-    "reclaim it"); with a ``controller`` named, the trainer also tells it
-    (``TrainerPhaseChanged(ready)``) and trains once ``ReloadTrainer`` came; without one it
-    reloads by itself. ``QueryTrainer`` is answered at once, even mid-step.
-
-    A failure inside a group command leaves the ranks in an unknown state: the request gets
-    the error, and the actor crashes (its supervisor decides; ``add_trainer_group`` asks it to
-    stop the job rather than restart one rank of a group).
-    """
+    """The training role over ``backend``; ``controller`` is told when a batch waits for the
+    lent pool (None: such a batch reloads at once)."""
 
     def __init__(
-        self,
-        name: str,
-        bus: Bus,
-        *,
-        group: RankGroup,
-        pad_id: int,
-        vocab_size: int | None = None,
-        max_len: int | None = None,
-        controller: str | None = None,
-        publish_initial: bool = True,
+        self, name: str, bus: Bus, *, backend: TrainingBackend, controller: str | None = None
     ) -> None:
         super().__init__(name, bus)
-        self.group = group
-        self.engine = group.engine
-        self.pad_id = pad_id
-        self.vocab_size = vocab_size
-        self.max_len = max_len
+        self.backend = backend
         self.controller = controller
-        self.publish_initial = publish_initial
         self.steps = 0
         self.last_step_s = 0.0
+        self.spans: list[TrainSpan] = []
         self.offloads = 0
         self.reloads = 0
-        self._lock = asyncio.Lock()  # one group command at a time
-        self._role_state: TrainerStateName = "offloaded" if self.engine.offloaded else "idle"
+        self.shift_s = 0.0
+        self._role_state: TrainerStateName = "idle"
         self._pending = False  # a batch waits for the pool or trains
-        self._holds_pool = asyncio.Event()
-        if not self.engine.offloaded:
-            self._holds_pool.set()
-        self._failed: BaseException | None = None
+        # the pool is lent from the moment an offload starts and the trainer's again from
+        # the moment a reload starts (inference has let go of it by then) ...
+        self._holds_pool = True
+        # ... but a batch trains only once the state is back on the devices
+        self._on_devices = asyncio.Event()
+        self._on_devices.set()
+        self._lock = asyncio.Lock()  # one backend command at a time, as on real devices
 
     @property
     def state(self) -> TrainerStateName:
         return self._role_state
 
+    @property
+    def holds_pool(self) -> bool:
+        return self._holds_pool
+
     async def on_start(self) -> None:
-        if self.publish_initial and self.group.store is not None:
-            # version 0, the checkpoint: a replica that shifts up before the first step reads it
-            await self._lead(RankCommand("publish"))
+        async with self._lock:
+            await self.backend.start()
 
     async def on_stop(self) -> None:
-        if self._failed is None:
-            try:
-                async with asyncio.timeout(30.0):
-                    async with self._lock:
-                        await asyncio.to_thread(self.group.lead, RankCommand("quit"))
-            except Exception as exc:  # the followers are stopped by their supervisor anyway
-                self.log.warning("could not tell the other ranks to quit", error=repr(exc))
-        if self.group.store is not None:
-            self.group.store.close()
+        try:
+            async with self._lock:  # a command in flight finishes first
+                await self.backend.close()
+        except Exception as exc:
+            self.log.warning("could not close the training backend", error=repr(exc))
 
-    async def _lead(self, command: RankCommand) -> Any:
-        """Run a command on every rank, one at a time, off the event loop."""
-        async with self._lock:
-            if self._failed is not None:
-                raise RuntimeError(f"trainer group failed earlier: {self._failed!r}")
-            try:
-                return await asyncio.to_thread(self.group.lead, command)
-            except Exception as exc:
-                self._failed = exc
-                self.log.error(
-                    "trainer group command failed", command=command.kind, error=repr(exc)
-                )
-                self.spawn(self._crash(exc), name="crash")
-                raise
+    async def _command(self, name: str, call: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run a backend command (the caller holds the lock); a failure crashes the actor."""
+        try:
+            return await call(*args)
+        except Exception as exc:
+            self.log.error("training backend command failed", command=name, error=repr(exc))
+            self.spawn(self._crash(exc), name="crash")
+            raise
 
     async def _crash(self, exc: BaseException) -> None:
-        raise RuntimeError(f"trainer group command failed: {exc!r}") from exc
+        raise RuntimeError(f"training backend command failed: {exc!r}") from exc
 
     async def _set_state(self, state: TrainerStateName) -> None:
         self._role_state = state
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # lossy: monitors catch up at the next change
             await self.publish(
-                "trainer",
+                TRAINER_TOPIC,
                 TrainerState(
                     name=self.name,
                     state=state,
-                    version=self.engine.version,
+                    version=self.backend.version,
                     last_step_s=self.last_step_s,
                 ),
             )
 
     def _status(self, fingerprints: list[str] | None = None, seconds: float = 0.0) -> TrainerStatus:
-        store = self.group.store
+        backend = self.backend
         return TrainerStatus(
             name=self.name,
             state=self._role_state,
-            version=self.engine.version,
-            world_size=self.group.world_size,
-            zero_stage=self.engine.zero_stage,
+            version=backend.version,
+            world_size=backend.world_size,
+            zero_stage=backend.zero_stage,
             steps=self.steps,
-            store=store.name if store is not None else None,
+            store=backend.store,
             fingerprints=fingerprints or [],
             seconds=seconds,
-            holds_pool=self._holds_pool.is_set(),
+            holds_pool=self._holds_pool,
         )
 
     @handles
-    async def train(self, msg: TrainBatch) -> Trained:
+    async def train(self, msg: TrainBatch | SimTrainBatch) -> Trained:
         if self._pending:
             raise TrainerBusy(f"step {msg.step} arrived while another step is in flight")
-        # validate here, before any rank sees it: a bad batch is an error reply, not a
-        # broken group
-        batch = build_batch(
-            msg.samples,
-            pad_id=self.pad_id,
-            advantage_eps=self.engine.settings.advantage_eps,
-            vocab_size=self.vocab_size,
-            max_len=self.max_len,
-        )
+        # validated here, before the backend runs anything: a bad batch is an error reply,
+        # not a broken rank group
+        batch = await self.backend.prepare(msg)
         self._pending = True
         try:
             await self._set_state("training")
-            if not self._holds_pool.is_set():
+            if not self._on_devices.is_set():
                 await self._wait_for_pool()
-            stats: TrainStats = await self._lead(
-                RankCommand("train", batch, publish=self.group.store is not None)
-            )
+            async with self._lock:
+                started = self.clock.now()
+                result = await self._command("train", self.backend.train, batch)
+                ended = self.clock.now()
         finally:
             self._pending = False
-            await self._set_state("idle" if self._holds_pool.is_set() else "offloaded")
+            await self._set_state("idle" if self._holds_pool else "offloaded")
+        stats = result.stats
         self.steps += 1
         self.last_step_s = stats.seconds
-        store = self.group.store
+        self.spans.append(TrainSpan(start=started, end=ended, version=stats.version))
         self.log.info(
             "trained",
             step=msg.step,
@@ -622,378 +238,66 @@ class Trainer(Actor):
         return Trained(
             step=msg.step,
             stats=stats,
-            gps_version=stats.version if store is not None else None,
-            gps_write_s=self.group.last_write_s if store is not None else 0.0,
+            gps_version=result.gps_version,
+            gps_write_s=result.gps_write_s,
         )
 
     async def _wait_for_pool(self) -> None:
         if self.controller is None:
             self.log.info("batch arrived while offloaded: reloading (no controller named)")
-            await self._reload()
-            return
-        self.log.info("batch arrived while offloaded: asking the controller for the pool")
-        try:
-            await self.request(self.controller, TrainerPhaseChanged(phase="ready"))
-        except BusError as exc:  # it also sees "training" without its pool at its next tick
-            self.log.warning("could not tell the controller", error=repr(exc))
-        await self._holds_pool.wait()
+            async with self._lock:
+                if not self._holds_pool:
+                    await self._take_pool_back()
+        else:
+            self.log.info("batch arrived while offloaded: asking the controller for the pool")
+            try:
+                await self.request(self.controller, TrainerPhaseChanged(phase="ready"))
+            except BusError as exc:  # it also sees "training" without its pool at its next tick
+                self.log.warning("could not tell the controller", error=repr(exc))
+        await self._on_devices.wait()
 
-    async def _reload(self) -> float:
-        started = time.perf_counter()
-        await self._lead(RankCommand("reload"))
+    async def _take_pool_back(self) -> float:
+        """Reload (the caller holds the lock and has seen the pool lent)."""
+        self._holds_pool = True
+        seconds = await self._command("reload", self.backend.reload)
         self.reloads += 1
-        self._holds_pool.set()
-        return time.perf_counter() - started
+        self.shift_s += seconds
+        self._on_devices.set()
+        return seconds
 
     @handles
     async def offload(self, msg: OffloadTrainer) -> TrainerStatus:
-        if not self._holds_pool.is_set():
-            return self._status()
-        if self._pending:
-            raise TrainerBusy("a batch is waiting to train: the pool cannot be lent now")
-        started = time.perf_counter()
-        await self._lead(RankCommand("offload"))
-        self.offloads += 1
-        self._holds_pool.clear()
-        await self._set_state("offloaded")
-        return self._status(seconds=time.perf_counter() - started)
+        async with self._lock:
+            if not self._holds_pool:
+                return self._status()
+            if self._pending:
+                raise TrainerBusy("a batch is waiting to train: the pool cannot be lent now")
+            self._holds_pool = False
+            self._on_devices.clear()
+            seconds = await self._command("offload", self.backend.offload)
+            self.offloads += 1
+            self.shift_s += seconds
+            # a batch that came in meanwhile keeps the trainer "training": it wants the pool
+            await self._set_state("training" if self._pending else "offloaded")
+            return self._status(seconds=seconds)
 
     @handles
     async def reload(self, msg: ReloadTrainer) -> TrainerStatus:
-        if self._holds_pool.is_set():
-            return self._status()
-        seconds = await self._reload()
-        if not self._pending:  # a waiting batch keeps the state "training"
-            await self._set_state("idle")
-        return self._status(seconds=seconds)
+        async with self._lock:
+            if self._holds_pool:
+                return self._status()
+            seconds = await self._take_pool_back()
+            if not self._pending:  # a waiting batch keeps the state "training"
+                await self._set_state("idle")
+            return self._status(seconds=seconds)
 
     @handles
     async def query(self, msg: QueryTrainer) -> TrainerStatus:
-        started = time.perf_counter()
-        digests = None
-        if msg.fingerprints:
-            if not self._holds_pool.is_set():
+        if not msg.fingerprints:
+            return self._status()
+        started = self.clock.now()
+        async with self._lock:
+            if not self._on_devices.is_set():
                 raise TrainerOffloaded("fingerprints need the parameters: reload first")
-            digests = await self._lead(RankCommand("fingerprint"))
-        return self._status(digests, seconds=time.perf_counter() - started)
-
-
-class TrainerFollower(Actor):
-    """Rank r > 0 of a trainer group: runs what rank 0 broadcasts until told to quit, then
-    stops (its process exits 0). Answers only Ping on the bus."""
-
-    def __init__(self, name: str, bus: Bus, *, group: RankGroup) -> None:
-        super().__init__(name, bus)
-        self.group = group
-
-    async def run(self) -> None:
-        # a daemon thread, not the default executor: a follower stopped while it waits in a
-        # collective must not hold its process's exit on that thread
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[None] = loop.create_future()
-
-        def settle(exc: BaseException | None) -> None:
-            if done.done():
-                return
-            if exc is None:
-                done.set_result(None)
-            else:
-                done.set_exception(exc)
-
-        def follow() -> None:
-            try:
-                self.group.follow()
-            except BaseException as exc:
-                loop.call_soon_threadsafe(settle, exc)
-            else:
-                loop.call_soon_threadsafe(settle, None)
-
-        threading.Thread(target=follow, name=f"{self.name}:follow", daemon=True).start()
-        await done
-        self.log.info("rank 0 said quit")
-        await self.stop()
-
-
-# ---- processes --------------------------------------------------------------------------------
-
-
-def trainer_rank(
-    name: str,
-    *,
-    directory: dict[str, Any],
-    checkpoint: str,
-    rank: int,
-    world_size: int,
-    rendezvous: str,
-    store_name: str | None = None,
-    settings: dict[str, Any] | None = None,
-    threads: int = 1,
-    controller: str | None = None,
-) -> Actor:
-    """Factory for ``Supervisor.add_process``: rank ``rank`` of a trainer group training the
-    Hugging Face checkpoint ``checkpoint``. Rank 0 returns the ``Trainer`` (and, with
-    ``store_name``, creates the GPS store of that name and writes every version there);
-    the others return a ``TrainerFollower``. ``settings``: a ``TrainingSettings`` as a dict.
-    ``controller``: the actor to tell when a batch waits for the lent pool (see ``Trainer``)."""
-    # a supervised child's first stdout line must be its READY; DeepSpeed and transformers
-    # print while they import and initialise
-    with stdout_to_stderr():
-        return _trainer_rank(
-            name,
-            directory=directory,
-            checkpoint=checkpoint,
-            rank=rank,
-            world_size=world_size,
-            rendezvous=rendezvous,
-            store_name=store_name,
-            settings=settings,
-            threads=threads,
-            controller=controller,
-        )
-
-
-@contextlib.contextmanager
-def stdout_to_stderr() -> Iterator[None]:
-    """Point file descriptor 1 (and ``sys.stdout``) at stderr for the block."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        os.dup2(2, 1)
-        with contextlib.redirect_stdout(sys.stderr):
-            yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
-
-
-def _trainer_rank(
-    name: str,
-    *,
-    directory: dict[str, Any],
-    checkpoint: str,
-    rank: int,
-    world_size: int,
-    rendezvous: str,
-    store_name: str | None,
-    settings: dict[str, Any] | None,
-    threads: int,
-    controller: str | None,
-) -> Actor:
-    torch.set_num_threads(threads)
-    training = convert(settings or {}, TrainingSettings, "trainer settings")
-    init_process_group(rank, world_size, rendezvous)
-    engine = DeepSpeedTrainer(checkpoint, training)
-    store = None
-    if rank == 0 and store_name is not None:
-        from pivot.actors.param_store import ParameterStore
-
-        store = ParameterStore(store_name)
-    group = RankGroup(engine, store=store)
-    secret = os.environ.get("PIVOT_SECRET")
-    bus = Bus.nng(Directory.from_dict(directory), rl_messages(), secret=secret)
-    if rank == 0:
-        return Trainer(
-            name,
-            bus,
-            group=group,
-            pad_id=engine.pad_id,
-            vocab_size=engine.config.vocab_size,
-            max_len=engine.config.max_position_embeddings,
-            controller=controller,
-        )
-    return TrainerFollower(name, bus, group=group)
-
-
-def add_trainer_group(
-    supervisor: Supervisor,
-    name: str,
-    *,
-    directory: Directory | Mapping[str, Any],
-    checkpoint: str | Path,
-    world_size: int,
-    run_dir: str | Path,
-    store_name: str | None = None,
-    settings: TrainingSettings | None = None,
-    threads: int = 1,
-    controller: str | None = None,
-    policy: RestartPolicy | None = None,
-    ready_timeout: float = 600.0,
-) -> list[str]:
-    """Add every rank of a trainer group to ``supervisor``; returns their actor names
-    (``trainer_names``), each of which ``directory`` must hold.
-
-    Ranks meet through a file in ``run_dir`` (no TCP port to pick; a stale one from an
-    earlier run is removed). They start together (the supervisor starts consecutive
-    processes at once), rank 0 added last so that it stops first and tells the others to
-    quit. ``controller``: see ``Trainer`` (None: a batch that finds the pool lent reloads
-    at once). ``policy`` defaults to no restart: one restarted rank cannot rejoin a group, so a
-    crash stops the job. ``ready_timeout`` covers imports, the rendezvous and loading the
-    model (plus the FusedAdam JIT build at ZeRO-3 the first time).
-    """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, found {world_size}")
-    names = trainer_names(name, world_size)
-    entries = directory.to_dict() if isinstance(directory, Directory) else dict(directory)
-    missing = [n for n in names if n not in entries]
-    if missing:
-        raise ValueError(f"the directory has no entry for trainer ranks {missing}")
-    rendezvous = Path(run_dir).absolute() / f"{name}.rendezvous"
-    rendezvous.parent.mkdir(parents=True, exist_ok=True)
-    rendezvous.unlink(missing_ok=True)
-    settings_dict = _settings_dict(settings or TrainingSettings())
-    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    for rank in [*range(1, world_size), 0]:
-        supervisor.add_process(
-            names[rank],
-            "pivot.actors.trainer:trainer_rank",
-            kwargs={
-                "directory": entries,
-                "checkpoint": str(Path(checkpoint).absolute()),
-                "rank": rank,
-                "world_size": world_size,
-                "rendezvous": f"file://{rendezvous}",
-                "store_name": store_name if rank == 0 else None,
-                "settings": settings_dict,
-                "threads": threads,
-                "controller": controller if rank == 0 else None,
-            },
-            env=env,
-            policy=policy or RestartPolicy(restart="never"),
-            ready_timeout=ready_timeout,
-            stop_timeout=15.0,
-        )
-    return names
-
-
-def _settings_dict(settings: TrainingSettings) -> dict[str, Any]:
-    import msgspec
-
-    return msgspec.to_builtins(settings)
-
-
-# ---- benchmark ---------------------------------------------------------------------------------
-
-
-def bench_samples(prompts: int = 16, samples_per_prompt: int = 4, seed: int = 0):
-    """A batch shaped like the tiny job's: task prompts, worked responses (~30 tokens with the
-    prompt), one rewarded sample per prompt."""
-    from pivot import task
-    from pivot.engines.tokenizer import TextCodec, build_tokenizer
-    from pivot.grpo import RolloutSample
-
-    codec = TextCodec(build_tokenizer())
-    out = []
-    for g, problem in enumerate(task.make_problems(seed, prompts)):
-        prompt = codec.encode(problem.prompt)
-        response = codec.encode(task.worked_response(problem.prompt), bos=False) + [codec.eos_id]
-        for j in range(samples_per_prompt):
-            out.append(
-                RolloutSample(
-                    prompt_ids=prompt,
-                    response_ids=response,
-                    logprobs=[-1.0] * len(response),
-                    reward=float(j == 0),
-                    group=g,
-                )
-            )
-    return out
-
-
-async def bench(
-    checkpoint: str | Path,
-    run_dir: str | Path,
-    *,
-    world_size: int,
-    steps: int = 10,
-    settings: TrainingSettings | None = None,
-) -> dict[str, float]:
-    """Start a trainer group of ``world_size`` ranks, time ``steps`` training steps, GPS
-    writes, offload and reload; medians in milliseconds."""
-    import statistics
-    import uuid
-
-    from pivot.bus import Actor as Probe
-
-    run = Path(run_dir)
-    names = trainer_names("trainer", world_size)
-    directory = Directory.ipc(run, [*names, "bench"])
-    supervisor = Supervisor()
-    started = time.perf_counter()
-    add_trainer_group(
-        supervisor,
-        "trainer",
-        directory=directory,
-        checkpoint=checkpoint,
-        world_size=world_size,
-        run_dir=run,
-        store_name=f"pivot-bench-{uuid.uuid4().hex[:8]}",
-        settings=settings,
-    )
-    await supervisor.start()
-    startup = time.perf_counter() - started
-    bus = Bus.nng(directory, rl_messages())
-    probe = Probe("bench", bus)
-    await probe.start()
-    samples = bench_samples()
-    step_s, request_s, write_s, offload_s, reload_s = [], [], [], [], []
-    try:
-        for i in range(steps + 1):
-            t = time.perf_counter()
-            reply = await probe.request("trainer", TrainBatch(samples=samples, step=i), timeout=300)
-            if i:  # the first step warms up
-                request_s.append(time.perf_counter() - t)
-                step_s.append(reply.stats.seconds)
-                write_s.append(reply.gps_write_s)
-        for _ in range(5):
-            offload_s.append((await probe.request("trainer", OffloadTrainer(), timeout=60)).seconds)
-            reload_s.append((await probe.request("trainer", ReloadTrainer(), timeout=60)).seconds)
-    finally:
-        await probe.stop()
-        await bus.close()
-        await supervisor.stop()
-
-    def ms(values: list[float]) -> float:
-        return round(1000 * statistics.median(values), 2)
-
-    return {
-        "world_size": world_size,
-        "sequences": len(samples),
-        "tokens": sum(len(s.prompt_ids) + len(s.response_ids) for s in samples),
-        "startup_s": round(startup, 2),
-        "train_step_ms": ms(step_s),
-        "train_request_ms": ms(request_s),
-        "gps_write_ms": ms(write_s),
-        "offload_ms": ms(offload_s),
-        "reload_ms": ms(reload_s),
-    }
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m pivot.actors.trainer --checkpoint DIR [--world-sizes 1 2]``: the benchmark."""
-    import argparse
-    import json
-    import tempfile
-
-    from pivot.bus import run_real
-
-    parser = argparse.ArgumentParser(prog="python -m pivot.actors.trainer")
-    parser.add_argument("--checkpoint", required=True)
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--zero-stage", type=int, default=2, choices=[1, 2, 3])
-    args = parser.parse_args(argv)
-    settings = TrainingSettings(zero_stage=args.zero_stage)
-    for world_size in args.world_sizes:
-        with tempfile.TemporaryDirectory(prefix="pivot-bench-") as run:
-            result = run_real(
-                bench(
-                    args.checkpoint, run, world_size=world_size, steps=args.steps, settings=settings
-                )
-            )
-        print(json.dumps(result), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+            digests = await self._command("fingerprints", self.backend.fingerprints)
+        return self._status(digests, seconds=self.clock.now() - started)

@@ -1,5 +1,5 @@
 """The messages of the training role: what the driver asks the trainer (a GRPO step on a
-scored batch), what the controller asks it around shifts (offload, reload), and the trainer
+scored batch, or its counts in a simulation), what the controller asks it around shifts (offload, reload), and the trainer
 state it publishes for the planner.
 
 Names carry "Trainer" where a bare verb (Offload, Reload) could collide with another role's
@@ -22,6 +22,15 @@ class TrainBatch(RLMessage, kw_only=True):
 
     samples: list[RolloutSample]
     step: int = -1
+
+
+class SimTrainBatch(RLMessage, kw_only=True):
+    """Driver -> simulated trainer: a step over this many sequences and tokens (a simulated
+    policy needs only the counts)."""
+
+    step: int
+    sequences: int
+    tokens: int
 
 
 class Trained(RLMessage, kw_only=True):

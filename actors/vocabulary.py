@@ -16,7 +16,6 @@ from pivot.actors import messages as rl
 from pivot.actors import shift_messages as shift
 from pivot.actors import trainer_messages as trainer
 from pivot.actors.messages import RLMessage
-from pivot.actors.sources import SimTrainBatch
 
 LOAD_TOPIC = "load"
 SHIFT_TOPIC = "shift"
@@ -59,7 +58,7 @@ MESSAGES: tuple[type[RLMessage], ...] = (
     shift.AllocationChanged,
     # the trainer
     trainer.TrainBatch,
-    SimTrainBatch,
+    trainer.SimTrainBatch,
     trainer.Trained,
     trainer.OffloadTrainer,
     trainer.ReloadTrainer,

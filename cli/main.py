@@ -100,9 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch threads")
     p.add_argument("--repeat", type=int, default=10)
     p.set_defaults(func=_cmd_bench_gps)
-    from pivot.cli import bench_shift
+    from pivot.cli import bench_shift, bench_trainer
 
     bench_shift.add_parser(bsub)
+    bench_trainer.add_parser(bsub)
     return parser
 
 

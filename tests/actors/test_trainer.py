@@ -1,8 +1,9 @@
-"""The trainer actor's protocol on the local bus with a stand-in rank group (no DeepSpeed), then
-the DeepSpeed trainer for real: two ranks (ZeRO-2, gloo) started by the bus Supervisor as
-child processes, driven over nng ipc:// like the driver and the controller drive it, on a
-tiny random Qwen2 checkpoint. One launch for the whole module (DeepSpeed's imports and the
-rendezvous cost seconds); those tests run in order on the same trainer group.
+"""The Trainer's state machine over the simulated backend on the virtual clock (local bus,
+deterministic), then the DeepSpeed backend for real: two ranks (ZeRO-2 and ZeRO-3, gloo)
+started by the bus Supervisor as child processes, driven over nng ipc:// like the driver and
+the controller drive it, on a tiny random Qwen2 checkpoint. One launch per ZeRO stage
+(DeepSpeed's imports and the rendezvous cost seconds); those tests run in order on the same
+trainer group.
 """
 
 from __future__ import annotations
@@ -20,30 +21,41 @@ import torch
 from pivot.actors.messages import Ack
 from pivot.actors.param_store import ParameterReader
 from pivot.actors.shift_messages import TrainerPhaseChanged
-from pivot.actors.trainer import Trainer, add_trainer_group, fingerprint, trainer_names
+from pivot.actors.trainer import Trainer, TrainResult
+from pivot.actors.trainer_deepspeed import add_trainer_group, fingerprint, trainer_names
 from pivot.actors.trainer_messages import (
     OffloadTrainer,
     QueryTrainer,
     ReloadTrainer,
+    SimTrainBatch,
     TrainBatch,
     Trained,
     TrainerState,
     TrainerStatus,
 )
+from pivot.actors.trainer_sim import SimTrainingBackend
 from pivot.actors.vocabulary import rl_messages
-from pivot.bus import Actor, Bus, Directory, LocalTransport, RemoteError, Supervisor, handles
+from pivot.bus import (
+    Actor,
+    Bus,
+    Directory,
+    LocalTransport,
+    RemoteError,
+    Supervisor,
+    VirtualClock,
+    handles,
+    run_virtual,
+)
+from pivot.engines.sim_engine import SimTrainer
 from pivot.engines.tokenizer import TextCodec, build_tokenizer, save_pretrained
 from pivot.engines.torch_engine import TorchEngine
 from pivot.grpo import (
     RolloutSample,
     TrainingSettings,
-    TrainStats,
     build_batch,
     policy_loss,
     token_logprobs,
 )
-
-pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 # adam_eps well above float noise in small gradients: Adam's first step is ~lr * sign(g)
 # where |g| >> eps, which would hide a wrong gradient scale and amplify summation-order noise
@@ -53,50 +65,9 @@ WORLD = 2
 TIMEOUT = 120.0
 
 
-# ---- the actor's protocol, with a stand-in group -----------------------------------------------
+# ---- the state machine, over the simulated backend on the virtual clock ------------------------
 
-
-class FakeEngine:
-    def __init__(self) -> None:
-        self.version = 0
-        self.offloaded = False
-        self.zero_stage = 2
-        self.settings = TrainingSettings()
-
-
-class FakeGroup:
-    """Runs commands instantly and records them; a train command waits for ``release``."""
-
-    world_size = 2
-    store = None
-    last_write_s = 0.0
-
-    def __init__(self) -> None:
-        self.engine = FakeEngine()
-        self.commands: list[str] = []
-        self.release = asyncio.Event()
-        self.release.set()
-        self.loop = asyncio.get_running_loop()
-
-    def lead(self, command):  # noqa: ANN001, ANN201 (called in a worker thread)
-        self.commands.append(command.kind)
-        if command.kind == "train":
-            asyncio.run_coroutine_threadsafe(self.release.wait(), self.loop).result()
-            self.engine.version += 1
-            return TrainStats(
-                version=self.engine.version,
-                loss=0.0,
-                grad_norm=0.0,
-                lr=1e-4,
-                sequences=command.batch.size,
-                tokens=command.batch.tokens,
-                reward_mean=0.0,
-                clip_fraction=0.0,
-                ratio_mean=1.0,
-            )
-        if command.kind in ("offload", "reload"):
-            self.engine.offloaded = command.kind == "offload"
-        return None
+BATCH = SimTrainBatch(step=3, sequences=8, tokens=1000)
 
 
 class FakeController(Actor):
@@ -111,91 +82,185 @@ class FakeController(Actor):
         return Ack()
 
 
-SMALL = [
-    RolloutSample(prompt_ids=[1, 5], response_ids=[6, 2], logprobs=[-1.0, -1.0], reward=r, group=0)
-    for r in (1.0, 0.0)
-]
+class BrokenBackend(SimTrainingBackend):
+    async def train(self, batch: SimTrainBatch) -> TrainResult:
+        raise RuntimeError("rank 1 is gone")
 
 
-async def make_trainer(controller: str | None):
-    transport = LocalTransport()
-    bus = Bus.local(rl_messages(), transport=transport)
-    group = FakeGroup()
-    trainer = Trainer("trainer", bus, group=group, pad_id=0, controller=controller)
-    boss = FakeController("controller", bus)
-    client = Actor("client", bus)
-    for actor in (trainer, boss, client):
-        await actor.start()
-    return trainer, group, boss, client
+class Rig:
+    """A trainer over a 1B-parameter policy on two simulated devices, a controller that
+    records being asked for the pool, and a client."""
 
+    def __init__(self, clock: VirtualClock, *, controller: str | None, backend=SimTrainingBackend):  # noqa: ANN001
+        bus = Bus.local(rl_messages(), transport=LocalTransport(), clock=clock)
+        self.clock = clock
+        self.sim = SimTrainer(params_b=1.0, devices=2)
+        self.trainer = Trainer(
+            "trainer", bus, backend=backend(self.sim, clock=clock), controller=controller
+        )
+        self.boss = FakeController("controller", bus)
+        self.client = Actor("client", bus)
+        self.down_s = self.sim.shift.trainer_down(1.0, 2).total_s
+        self.up_s = self.sim.shift.trainer_up(1.0, 2).total_s
+        self.step_s = self.sim.step_time_s(BATCH.tokens) + self.sim.write_s()
 
-async def test_a_batch_that_finds_the_pool_lent_waits_for_the_controller() -> None:
-    trainer, group, boss, client = await make_trainer(controller="controller")
-    try:
-        states = client.subscribe("trainer")
-        await states.wait_live("trainer")
-        lent = await client.request("trainer", OffloadTrainer(), expect=TrainerStatus)
-        assert lent.state == "offloaded"
-        step = asyncio.ensure_future(client.request("trainer", TrainBatch(samples=SMALL, step=3)))
-        await asyncio.wait_for(boss.told.wait(), 5)
-        status = await client.request("trainer", QueryTrainer(), expect=TrainerStatus)
-        assert (status.state, status.version) == ("training", 0)  # "reclaim the pool"
-        still = await client.request("trainer", OffloadTrainer(), expect=TrainerStatus)
-        assert still.state == "training"  # lent already: nothing to do
-        with pytest.raises(RemoteError, match="while another step is in flight"):
-            await client.request("trainer", TrainBatch(samples=SMALL, step=4))
-        assert group.commands == ["offload"]  # nothing trained on devices inference holds
+    async def __aenter__(self) -> Rig:
+        for actor in (self.trainer, self.boss, self.client):
+            await actor.start()
+        self.states = self.client.subscribe("trainer")
+        await self.states.wait_live("trainer")
+        return self
 
-        back = await client.request("trainer", ReloadTrainer(), expect=TrainerStatus)
-        assert back.state == "training"  # the waiting batch trains now
-        trained = await asyncio.wait_for(step, 5)
-        assert isinstance(trained, Trained) and trained.step == 3 and trained.stats.version == 1
-        assert group.commands == ["offload", "reload", "train"]
-        status = await client.request("trainer", QueryTrainer(), expect=TrainerStatus)
-        assert (status.state, status.version, status.steps) == ("idle", 1, 1)
-        seen = [p.message.state for p in states.drain() if isinstance(p.message, TrainerState)]
-        assert seen == ["offloaded", "training", "idle"]
-    finally:
-        for actor in (client, boss, trainer):
+    async def __aexit__(self, *exc: object) -> None:
+        for actor in (self.client, self.boss, self.trainer):
             await actor.stop()
 
+    async def ask(self, message, expect=None):  # noqa: ANN001, ANN201
+        # virtual seconds: a modelled reload alone takes longer than the default timeout
+        return await self.client.request("trainer", message, expect=expect, timeout=600.0)
 
-async def test_without_a_controller_a_batch_reloads_by_itself() -> None:
-    trainer, group, _, client = await make_trainer(controller=None)
-    try:
-        await client.request("trainer", OffloadTrainer(), expect=TrainerStatus)
-        again = await client.request("trainer", OffloadTrainer(), expect=TrainerStatus)
-        assert again.state == "offloaded"  # idempotent: no second offload command
-        trained = await client.request("trainer", TrainBatch(samples=SMALL), expect=Trained)
-        assert trained.stats.version == 1
-        assert group.commands == ["offload", "reload", "train"]
-        assert trainer.state == "idle"
-    finally:
-        for actor in (client, trainer):
-            await actor.stop()
+    def published(self) -> list[str]:
+        return [p.message.state for p in self.states.drain() if isinstance(p.message, TrainerState)]
 
 
-async def test_status_is_answered_and_offload_refused_while_a_step_runs() -> None:
-    trainer, group, _, client = await make_trainer(controller=None)
-    try:
-        group.release.clear()
-        step = asyncio.ensure_future(client.request("trainer", TrainBatch(samples=SMALL)))
-        for _ in range(100):
-            if group.commands:
-                break
-            await asyncio.sleep(0.01)
-        status = await client.request("trainer", QueryTrainer(), expect=TrainerStatus, timeout=2)
-        assert status.state == "training" and status.version == 0
-        with pytest.raises(RemoteError, match="cannot be lent now"):
-            await client.request("trainer", OffloadTrainer())
-        group.release.set()
-        assert (await step).stats.version == 1
-    finally:
-        for actor in (client, trainer):
-            await actor.stop()
+def test_offload_and_reload_are_idempotent_and_cost_the_modelled_time() -> None:
+    async def main(clock: VirtualClock) -> None:
+        async with Rig(clock, controller="controller") as rig:
+            started = clock.now()
+            lent = await rig.ask(OffloadTrainer(), expect=TrainerStatus)
+            assert (lent.state, lent.holds_pool, lent.seconds) == ("offloaded", False, rig.down_s)
+            assert clock.now() - started == pytest.approx(rig.down_s)
+            again = await rig.ask(OffloadTrainer(), expect=TrainerStatus)
+            assert (again.state, again.seconds) == ("offloaded", 0.0)
+
+            back = await rig.ask(ReloadTrainer(), expect=TrainerStatus)
+            assert (back.state, back.holds_pool, back.seconds) == ("idle", True, rig.up_s)
+            again = await rig.ask(ReloadTrainer(), expect=TrainerStatus)
+            assert (again.state, again.seconds) == ("idle", 0.0)
+            assert clock.now() - started == pytest.approx(rig.down_s + rig.up_s)
+
+            trainer = rig.trainer
+            assert (trainer.offloads, trainer.reloads) == (1, 1)
+            assert trainer.shift_s == rig.down_s + rig.up_s
+            assert rig.published() == ["offloaded", "idle"]
+            assert rig.sim.steps == 0 and not rig.boss.told.is_set()
+
+    run_virtual(main)
+
+
+def test_a_batch_that_finds_the_pool_lent_asks_the_controller_and_waits() -> None:
+    async def main(clock: VirtualClock) -> None:
+        async with Rig(clock, controller="controller") as rig:
+            await rig.ask(OffloadTrainer(), expect=TrainerStatus)
+            step = asyncio.ensure_future(rig.ask(BATCH, expect=Trained))
+            await asyncio.wait_for(rig.boss.told.wait(), 5)
+            status = await rig.ask(QueryTrainer(), expect=TrainerStatus)
+            # "training" without its pool: the Controller reads it as "reclaim the pool"
+            assert (status.state, status.holds_pool, status.version) == ("training", False, 0)
+            still = await rig.ask(OffloadTrainer(), expect=TrainerStatus)
+            assert (still.state, still.seconds) == ("training", 0.0)  # lent already
+            with pytest.raises(RemoteError, match="while another step is in flight"):
+                await rig.ask(msgspec.structs.replace(BATCH, step=4))
+            await clock.sleep(100.0)
+            assert rig.sim.steps == 0 and not step.done()  # never on devices inference holds
+
+            reloaded = clock.now()
+            back = await rig.ask(ReloadTrainer(), expect=TrainerStatus)
+            assert (back.state, back.holds_pool) == ("training", True)  # the batch trains now
+            trained = await step
+            assert (trained.step, trained.stats.version, trained.gps_version) == (3, 1, 1)
+            assert trained.gps_write_s == rig.sim.write_s()
+            assert (trained.stats.sequences, trained.stats.tokens) == (8, 1000)
+            [span] = rig.trainer.spans
+            assert span.version == 1
+            assert span.start == pytest.approx(reloaded + rig.up_s)
+            assert span.end - span.start == pytest.approx(rig.step_s)
+            assert trained.stats.seconds == pytest.approx(rig.step_s)
+            status = await rig.ask(QueryTrainer(), expect=TrainerStatus)
+            assert (status.state, status.version, status.steps) == ("idle", 1, 1)
+            assert rig.published() == ["offloaded", "training", "idle"]
+
+    run_virtual(main)
+
+
+def test_without_a_controller_a_batch_reloads_by_itself() -> None:
+    async def main(clock: VirtualClock) -> None:
+        async with Rig(clock, controller=None) as rig:
+            await rig.ask(OffloadTrainer(), expect=TrainerStatus)
+            arrived = clock.now()
+            trained = await rig.ask(BATCH, expect=Trained)
+            assert trained.stats.version == 1
+            [span] = rig.trainer.spans
+            assert span.start == pytest.approx(arrived + rig.up_s)
+            trainer = rig.trainer
+            assert (trainer.reloads, trainer.state, trainer.holds_pool) == (1, "idle", True)
+            assert rig.published() == ["offloaded", "training", "idle"]
+            assert not rig.boss.told.is_set()
+
+    run_virtual(main)
+
+
+def test_an_offload_is_refused_while_a_batch_waits_for_the_pool() -> None:
+    async def main(clock: VirtualClock) -> None:
+        async with Rig(clock, controller="controller") as rig:
+            await rig.ask(OffloadTrainer(), expect=TrainerStatus)
+            step = asyncio.ensure_future(rig.ask(BATCH, expect=Trained))
+            await asyncio.wait_for(rig.boss.told.wait(), 5)
+            # the offload queues behind the reload; by its turn the batch wants the pool
+            reload = asyncio.ensure_future(rig.ask(ReloadTrainer(), expect=TrainerStatus))
+            offload = asyncio.ensure_future(rig.ask(OffloadTrainer()))
+            assert (await reload).state == "training"
+            with pytest.raises(RemoteError, match="cannot be lent now"):
+                await offload
+            assert (await step).stats.version == 1
+            assert (rig.trainer.offloads, rig.trainer.state) == (1, "idle")
+
+    run_virtual(main)
+
+
+def test_status_is_answered_mid_step_and_an_offload_waits_for_the_step() -> None:
+    async def main(clock: VirtualClock) -> None:
+        async with Rig(clock, controller="controller") as rig:
+            step = asyncio.ensure_future(rig.ask(BATCH, expect=Trained))
+            await clock.sleep(rig.step_s / 2)
+            status = await rig.ask(QueryTrainer(), expect=TrainerStatus)
+            assert (status.state, status.holds_pool) == ("training", True)
+            lent = await rig.ask(OffloadTrainer(), expect=TrainerStatus)
+            [span] = rig.trainer.spans
+            assert lent.state == "offloaded" and clock.now() >= span.end
+            assert (await step).stats.version == 1
+            assert rig.published() == ["training", "idle", "offloaded"]
+
+    run_virtual(main)
+
+
+def test_a_bad_batch_is_an_error_reply_before_anything_runs() -> None:
+    async def main(clock: VirtualClock) -> None:
+        async with Rig(clock, controller="controller") as rig:
+            with pytest.raises(RemoteError, match="takes SimTrainBatch, not TrainBatch"):
+                await rig.ask(TrainBatch(samples=[]))
+            assert rig.published() == [] and clock.now() == 0.0
+            trained = await rig.ask(BATCH, expect=Trained)  # nothing is left pending
+            assert trained.stats.version == 1
+
+    run_virtual(main)
+
+
+def test_a_backend_failure_fails_the_request_and_crashes_the_trainer() -> None:
+    async def main(clock: VirtualClock) -> None:
+        async with Rig(clock, controller="controller", backend=BrokenBackend) as rig:
+            with pytest.raises(RemoteError, match="rank 1 is gone"):
+                await rig.ask(BATCH)
+            with pytest.raises(RuntimeError, match="training backend command failed"):
+                await asyncio.wait_for(rig.trainer.wait(), 5)
+
+    run_virtual(main)
 
 
 # ---- DeepSpeed, two ranks -----------------------------------------------------------------------
+
+# every test of a ZeRO stage on the one group the module-scoped fixture started
+ON_GROUP = pytest.mark.asyncio(loop_scope="module")
 
 
 def make_checkpoint(folder: Path) -> Path:
@@ -334,6 +399,7 @@ async def group(tmp_path_factory: pytest.TempPathFactory, request: pytest.Fixtur
         await supervisor.stop()
 
 
+@ON_GROUP
 async def test_version_zero_in_gps_is_the_checkpoint(group: Group) -> None:
     checkpoint = load_model(group.checkpoint).state_dict()
     assert set(group.initial) == set(checkpoint)  # lm_head.weight included (tied)
@@ -341,6 +407,7 @@ async def test_version_zero_in_gps_is_the_checkpoint(group: Group) -> None:
         assert torch.equal(group.initial[name], tensor), name
 
 
+@ON_GROUP
 async def test_first_step_equals_a_single_process_adamw_step(group: Group) -> None:
     """Two ranks, each on its share in micro-batches, must make the update one process makes
     on the whole batch: token-mean loss, gradient clipped to 1.0, AdamW."""
@@ -374,6 +441,7 @@ async def test_first_step_equals_a_single_process_adamw_step(group: Group) -> No
         assert not torch.equal(got, group.initial[name]), name
 
 
+@ON_GROUP
 async def test_repeated_steps_raise_the_rewarded_response(group: Group) -> None:
     """Steps on the same batch (behaviour logprobs fixed): the one rewarded response of
     group 0 gains probability, the penalised ones lose it, and the loss falls."""
@@ -398,6 +466,7 @@ async def test_repeated_steps_raise_the_rewarded_response(group: Group) -> None:
     assert reply.stats.clip_fraction > 0  # ratios moved past 1.28 / 0.8 on some tokens
 
 
+@ON_GROUP
 async def test_gps_holds_what_every_rank_holds(group: Group) -> None:
     status = await group.ask(QueryTrainer(fingerprints=True), expect=TrainerStatus)
     version, weights = group.read_gps()
@@ -410,6 +479,7 @@ async def test_gps_holds_what_every_rank_holds(group: Group) -> None:
     assert engine.stats().weights_version == version
 
 
+@ON_GROUP
 async def test_offload_and_reload_keep_the_policy_and_training_works_after(group: Group) -> None:
     states = group.probe.subscribe("trainer")
     await states.wait_live("trainer", timeout=10)
@@ -446,6 +516,7 @@ async def _next_state(states) -> TrainerState:
             return publication.message
 
 
+@ON_GROUP
 async def test_a_bad_batch_is_refused_and_the_group_keeps_serving(group: Group) -> None:
     before = await group.ask(QueryTrainer(), expect=TrainerStatus)
     bad = group.samples[0]
@@ -463,6 +534,7 @@ async def test_a_bad_batch_is_refused_and_the_group_keeps_serving(group: Group) 
     assert len(set(after.fingerprints)) == 1
 
 
+@ON_GROUP
 async def test_stopping_the_supervisor_ends_every_rank(group: Group) -> None:
     pids = [group.supervisor.pid(name) for name in trainer_names("trainer", WORLD)]
     await group.supervisor.stop()

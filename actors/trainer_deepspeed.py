@@ -1,0 +1,742 @@
+"""The DeepSpeed training backend: ``DeepSpeedTrainer`` (a ``pivot.grpo.TrainingEngine`` on one
+rank), the rank group that runs each command on every rank, ``DeepSpeedBackend`` (what the
+``Trainer`` actor of ``pivot.actors.trainer`` drives on rank 0) and the processes of a
+group, one per training rank (one CPU "device" each, torch pinned to its threads).
+
+Ranks and who talks to whom. Every rank is a supervised child process with an actor, so a
+Ctrl-C or a crash leaves no orphans (``add_trainer_group``). Only rank 0, the ``Trainer``
+actor over a ``DeepSpeedBackend``, takes requests: TrainBatch, OffloadTrainer, ReloadTrainer,
+QueryTrainer. The backend turns each into a command and broadcasts it over
+torch.distributed (gloo, a group of its own);
+every other rank (``TrainerFollower``) waits in that broadcast and runs the same command, so
+all ranks make the same DeepSpeed calls in the same order (SPMD). A training command carries
+the whole padded batch (small: token ids and a few floats per token); each rank takes its
+data-parallel share (``GRPOBatch.shard``). After each step rank 0 writes the full updated
+policy, in Hugging Face names, to the GPS host store as the new version. One actor per rank
+with its own requests would have made the caller coordinate the ranks; this way the bus sees
+one trainer, and the ranks stay in step by construction.
+
+DeepSpeed on CPU (reference/platform-notes.md §2): gloo, fp32, torch's AdamW at ZeRO 1/2
+(no FusedAdam JIT). ZeRO-3 builds the model under ``zero.Init`` and uses FusedAdam, since
+DeepSpeed's ``offload_states`` refuses other optimizers at stage 3; its first use JIT-builds
+the op (about 45 s, cached in ~/.cache/torch_extensions). ``offload_states`` /
+``reload_states`` move CPU tensors to CPU here: they free nothing, but run the same path as on
+GPUs. The ``deepspeed_shm_comm`` op, which DeepSpeed JIT-builds (about 30 s, a C++ toolchain
+needed) on every first ``init_distributed``, serves only inference all-reduce; the trainer
+skips building it.
+
+Gradients are accumulated by the caller (DeepSpeed's ``managed_gradient_accumulation``
+off): a step runs as many micro-batches as the rank's share needs, every rank the same
+number (shards are padded with empty rows), then one ``engine.step()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import functools
+import gc
+import hashlib
+import importlib
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pivot.actors.assembly import ChildProcess
+from pivot.actors.trainer import Trainer, TrainerOffloaded, TrainResult
+from pivot.actors.trainer_messages import SimTrainBatch, TrainBatch
+from pivot.actors.vocabulary import rl_messages
+from pivot.bus import Actor, Bus, Directory, RestartPolicy, Supervisor
+from pivot.config import convert
+from pivot.grpo import (
+    GRPOBatch,
+    LossSums,
+    TrainingSettings,
+    TrainStats,
+    build_batch,
+    policy_loss,
+    token_logprobs,
+    warmup_factor,
+)
+
+#: How long a collective may wait; followers wait for the next command in one, and a
+#: batch can take a long time to roll out and score.
+COMMAND_TIMEOUT = datetime.timedelta(days=7)
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+def trainer_names(name: str, world_size: int) -> list[str]:
+    """The actor names of a trainer group: rank 0 is ``name`` (the one others address),
+    rank r > 0 is ``f"{name}-{r}"``. Every one needs an entry in the job's directory."""
+    return [name] + [f"{name}-{r}" for r in range(1, world_size)]
+
+
+def _import_deepspeed():
+    """Import DeepSpeed quietly, without the shm_comm JIT build (see the module docstring)."""
+    import deepspeed
+    from deepspeed.utils import logger as ds_logger
+
+    ds_logger.setLevel(logging.WARNING)
+    for handler in ds_logger.handlers:  # DeepSpeed logs to stdout, which a child keeps for READY
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
+    # by name: ``deepspeed.comm.torch`` is shadowed by the ``torch`` that module imports
+    comm_torch = importlib.import_module("deepspeed.comm.torch")
+    if hasattr(comm_torch, "build_shm_op"):
+        comm_torch.build_shm_op = lambda: None
+    return deepspeed
+
+
+def init_process_group(rank: int, world_size: int, rendezvous: str) -> None:
+    """Join the trainer's gloo process group (``rendezvous``: an init_method URL such as
+    ``file:///run/trainer.rendezvous`` or ``tcp://127.0.0.1:PORT``) and set the environment
+    DeepSpeed reads, so that it needs neither a launcher nor MPI discovery."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size)
+    )
+    dist.init_process_group(
+        "gloo",
+        init_method=rendezvous,
+        rank=rank,
+        world_size=world_size,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+
+
+# ---- the engine, on every rank --------------------------------------------------------------------
+
+
+def deepspeed_config(settings: TrainingSettings) -> dict[str, Any]:
+    """The DeepSpeed config for these settings (fp32 throughout)."""
+    zero: dict[str, Any] = {"stage": settings.zero_stage}
+    if settings.zero_stage == 3:
+        zero["stage3_param_persistence_threshold"] = settings.zero3_persistence_threshold
+    return {
+        "train_micro_batch_size_per_gpu": settings.micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        # the caller owns the accumulation boundary: any number of micro-batches per step
+        "managed_gradient_accumulation": False,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": settings.lr,
+                "betas": list(settings.adam_betas),
+                "eps": settings.adam_eps,
+                "weight_decay": settings.weight_decay,
+                # stage 3 offloads optimizer state only with DeepSpeed's FusedAdam
+                "torch_adam": settings.zero_stage != 3,
+            },
+        },
+        "zero_optimization": zero,
+        "gradient_clipping": settings.grad_clip,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+class DeepSpeedTrainer:
+    """``TrainingEngine`` on one rank of an initialised gloo group (every rank makes the same
+    calls). Loads a Hugging Face Qwen2 checkpoint folder; trains in fp32."""
+
+    def __init__(
+        self,
+        checkpoint: str | Path,
+        settings: TrainingSettings | None = None,
+        *,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        import torch.distributed as dist
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        if not dist.is_initialized():
+            raise RuntimeError("DeepSpeedTrainer needs torch.distributed: init_process_group first")
+        deepspeed = _import_deepspeed()
+        self.settings = settings = settings or TrainingSettings()
+        self.checkpoint = str(checkpoint)
+        self.clock = clock
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self._deepspeed = deepspeed
+        deepspeed.init_distributed(dist_backend="gloo")
+
+        config = Qwen2Config.from_pretrained(self.checkpoint)
+        config.use_cache = False
+        self.config = config
+        self.pad_id = config.pad_token_id if config.pad_token_id is not None else 0
+        ds_config = deepspeed_config(settings)
+        torch.manual_seed(settings.seed)
+        if settings.zero_stage == 3:
+            # built partitioned, without Hugging Face's weight init (it indexes into
+            # parameters that are empty on this rank); the checkpoint's weights come next
+            with deepspeed.zero.Init(config_dict_or_path=ds_config), _no_init_weights():
+                model = Qwen2ForCausalLM(config)
+            model.tie_weights()
+            self._load_partitioned(model)
+        else:
+            model = Qwen2ForCausalLM.from_pretrained(
+                self.checkpoint, config=config, dtype=torch.float32
+            )
+        model.train()
+        scheduler = functools.partial(_warmup_scheduler, warmup_steps=settings.warmup_steps)
+        self.engine, *_ = deepspeed.initialize(
+            model=model,
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            config=ds_config,
+            lr_scheduler=scheduler,
+        )
+        self._reference = None
+        if settings.kl_coef > 0.0:
+            # a frozen whole copy on every rank: fine for the policies pivot trains on CPU
+            self._reference = Qwen2ForCausalLM.from_pretrained(
+                self.checkpoint, config=config, dtype=torch.float32
+            ).eval()
+            self._reference.requires_grad_(False)
+        self._version = 0
+        self._offloaded = False
+        # what exists now lives as long as the process: keep it out of the collector's way.
+        # DeepSpeed's offload_states runs gc.collect three times, ~0.8 s each over the
+        # objects of torch + transformers + deepspeed, ~1 ms each once they are frozen
+        gc.collect()
+        gc.freeze()
+        # pinned host memory needs an accelerator; on CPU it is plain memory anyway
+        self._pin = torch.cuda.is_available()
+
+    def _load_partitioned(self, model: torch.nn.Module) -> None:
+        from pivot.engines.torch_engine import read_checkpoint
+
+        # every rank reads the names, so that a bad checkpoint fails on all of them alike
+        # (not one rank inside a gather the others wait in); rank 0 copies the values
+        _, tensors = read_checkpoint(self.checkpoint)
+        if self.config.tie_word_embeddings:
+            tensors.setdefault("lm_head.weight", tensors["model.embed_tokens.weight"])
+        missing = [name for name, _ in model.named_parameters() if name not in tensors]
+        if missing:
+            raise ValueError(f"{self.checkpoint}: no tensors for parameters {missing[:5]}")
+        for name, param in model.named_parameters():
+            with self._deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                if self.rank == 0:
+                    with torch.no_grad():
+                        param.copy_(tensors[name])
+
+    # -- TrainingEngine
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def offloaded(self) -> bool:
+        return self._offloaded
+
+    @property
+    def zero_stage(self) -> int:
+        return self.settings.zero_stage
+
+    def train_step(self, batch: GRPOBatch) -> TrainStats:
+        """One GRPO step on the whole batch; this rank trains on its share."""
+        import torch.distributed as dist
+
+        if self._offloaded:
+            raise TrainerOffloaded("the trainer's state is offloaded: reload before training")
+        started = self.clock()
+        s = self.settings
+        shard = batch.shard(self.rank, self.world_size)
+        # ranks average their gradients: each divides its token sum by the batch's tokens
+        # over the world size, so the average is the gradient of the batch's token mean
+        denominator = max(batch.tokens, 1) / self.world_size
+        lr = float(self.engine.get_lr()[0])
+        sums = LossSums()
+        for micro in shard.micro_batches(s.micro_batch_size):
+            micro = micro.to(self.engine.device)
+            logits = self.engine(input_ids=micro.input_ids, use_cache=False).logits
+            logprobs = token_logprobs(logits, micro.input_ids, s.temperature)
+            ref = self._reference_logprobs(micro)
+            loss, part = policy_loss(
+                logprobs,
+                micro.old_logprobs,
+                micro.advantages,
+                micro.response_mask,
+                clip_low=s.clip_low,
+                clip_high=s.clip_high,
+                dual_clip=s.dual_clip,
+                ref_logprobs=ref,
+                kl_coef=s.kl_coef,
+                denominator=denominator,
+            )
+            self.engine.backward(loss, scale_wrt_gas=False)
+            sums = sums + part
+        self.engine.step()
+        grad_norm = self.engine.get_global_grad_norm()
+        totals = sums.as_tensor()
+        dist.all_reduce(totals)
+        sums = LossSums.from_tensor(totals)
+        self._version += 1
+        return TrainStats(
+            version=self._version,
+            loss=sums.mean("loss"),
+            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            lr=lr,
+            sequences=batch.size,
+            tokens=int(sums.tokens),
+            reward_mean=float(batch.rewards.mean()),
+            clip_fraction=sums.mean("clipped"),
+            ratio_mean=sums.mean("ratio"),
+            kl=sums.mean("kl"),
+            seconds=self.clock() - started,
+        )
+
+    def _reference_logprobs(self, micro: GRPOBatch) -> torch.Tensor | None:
+        if self._reference is None:
+            return None
+        with torch.no_grad():
+            logits = self._reference(input_ids=micro.input_ids, use_cache=False).logits
+            return token_logprobs(logits, micro.input_ids, self.settings.temperature)
+
+    def offload(self) -> None:
+        if self._offloaded:
+            return
+        self.engine.offload_states(pin_memory=self._pin)
+        self._offloaded = True
+
+    def reload(self) -> None:
+        if not self._offloaded:
+            return
+        self.engine.reload_states()
+        self._offloaded = False
+
+    def export(self) -> dict[str, torch.Tensor]:
+        """The full parameters in checkpoint names (tied ones under both names). ZeRO 1/2:
+        views of this rank's live parameters (every rank holds them whole). ZeRO-3: gathered
+        copies, a collective every rank must join."""
+        if self._offloaded:
+            raise TrainerOffloaded("the trainer's state is offloaded: reload before exporting")
+        module = self.engine.module
+        if self.settings.zero_stage == 3:
+            params = list(module.parameters())
+            with self._deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                return {k: v.detach().clone() for k, v in module.state_dict().items()}
+        return {k: v.detach() for k, v in module.state_dict().items()}
+
+    def fingerprint(self) -> str:
+        """sha256 of the exported parameters (names sorted, raw bytes)."""
+        return fingerprint(self.export())
+
+
+def fingerprint(tensors: Mapping[str, torch.Tensor]) -> str:
+    """sha256 over the tensors' names and raw bytes, names sorted."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu").contiguous()
+        digest.update(name.encode())
+        digest.update(str(t.dtype).encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()
+
+
+def _no_init_weights():
+    try:
+        from transformers.initialization import no_init_weights  # transformers >= 5
+    except ImportError:
+        from transformers.modeling_utils import no_init_weights
+    return no_init_weights()
+
+
+def _warmup_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, functools.partial(warmup_factor, warmup_steps=warmup_steps)
+    )
+
+
+# ---- the rank group: one command, every rank ---------------------------------------------------
+
+
+@dataclass
+class RankCommand:
+    """What rank 0 broadcasts. ``kind``: train | publish | offload | reload | fingerprint |
+    quit. ``publish``: write the policy to GPS after a train command (every rank must know:
+    under ZeRO-3 they all join the gather)."""
+
+    kind: str
+    batch: GRPOBatch | None = None
+    publish: bool = False
+
+
+class RankGroup:
+    """Runs commands on every rank of a trainer group: rank 0 ``lead``s (broadcast, then
+    run), the other ranks ``follow`` until told to quit. Blocking calls: run them off the
+    event loop."""
+
+    def __init__(self, engine: DeepSpeedTrainer, *, store: Any | None = None) -> None:
+        import torch.distributed as dist
+
+        self.engine = engine
+        self.rank = engine.rank
+        self.world_size = engine.world_size
+        self.store = store  # a ParameterStore on rank 0, None elsewhere
+        # commands travel in a group of their own, with a long timeout: followers wait in
+        # it for the next batch
+        self._group = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
+        self.last_write_s = 0.0
+
+    def _exchange(self, command: RankCommand | None) -> RankCommand:
+        import torch.distributed as dist
+
+        box = [command]
+        dist.broadcast_object_list(box, src=0, group=self._group)
+        assert box[0] is not None
+        return box[0]
+
+    def lead(self, command: RankCommand) -> Any:
+        if self.rank != 0:
+            raise RuntimeError("only rank 0 leads the trainer group")
+        return self._run(self._exchange(command))
+
+    def follow(self) -> None:
+        if self.rank == 0:
+            raise RuntimeError("rank 0 leads the trainer group; it does not follow")
+        while True:
+            command = self._exchange(None)
+            self._run(command)
+            if command.kind == "quit":
+                return
+
+    def _run(self, command: RankCommand) -> Any:
+        import torch.distributed as dist
+
+        engine = self.engine
+        if command.kind == "train":
+            assert command.batch is not None
+            stats = engine.train_step(command.batch)
+            if command.publish:
+                self._publish(stats.version)
+            return stats
+        if command.kind == "publish":
+            self._publish(engine.version)
+            return None
+        if command.kind == "offload":
+            engine.offload()
+            dist.barrier(group=self._group)
+            return None
+        if command.kind == "reload":
+            engine.reload()
+            dist.barrier(group=self._group)
+            return None
+        if command.kind == "fingerprint":
+            digests: list[str | None] = [None] * self.world_size
+            dist.all_gather_object(digests, engine.fingerprint(), group=self._group)
+            return digests
+        if command.kind == "quit":
+            return None
+        raise ValueError(f"unknown trainer command {command.kind!r}")
+
+    def _publish(self, version: int) -> None:
+        """Write the policy to GPS as ``version`` (rank 0 writes; under ZeRO-3 every rank
+        joins the gather)."""
+        if self.store is None and self.engine.zero_stage != 3:
+            return  # ZeRO 1/2: nothing to gather, nothing to write on this rank
+        tensors = self.engine.export()
+        if self.store is not None:
+            started = time.perf_counter()
+            self.store.write(tensors, version=version)
+            self.last_write_s = time.perf_counter() - started
+
+
+# ---- the backend on rank 0 ---------------------------------------------------------------------
+
+
+class DeepSpeedBackend:
+    """``TrainingBackend`` (``pivot.actors.trainer``) on rank 0 of a trainer group: each
+    command runs on every rank (``RankGroup.lead``, off the event loop). After a command
+    failed the ranks may disagree: every later one is refused, and ``close`` does not ask
+    the others to quit (their supervisor stops them)."""
+
+    def __init__(self, group: RankGroup) -> None:
+        self.group = group
+        self.engine = group.engine
+        self._failed: BaseException | None = None
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    @property
+    def world_size(self) -> int:
+        return self.group.world_size
+
+    @property
+    def zero_stage(self) -> int:
+        return self.engine.zero_stage
+
+    @property
+    def store(self) -> str | None:
+        return self.group.store.name if self.group.store is not None else None
+
+    async def _lead(self, command: RankCommand) -> Any:
+        if self._failed is not None:
+            raise RuntimeError(f"trainer group failed earlier: {self._failed!r}")
+        try:
+            return await asyncio.to_thread(self.group.lead, command)
+        except Exception as exc:
+            self._failed = exc
+            raise
+
+    async def start(self) -> None:
+        if self.group.store is not None:
+            # version 0, the checkpoint: a replica that shifts up before the first step reads it
+            await self._lead(RankCommand("publish"))
+
+    async def prepare(self, msg: TrainBatch | SimTrainBatch) -> GRPOBatch:
+        if not isinstance(msg, TrainBatch):
+            raise TypeError(f"a DeepSpeed trainer takes TrainBatch, not {type(msg).__name__}")
+        engine = self.engine
+        return build_batch(
+            msg.samples,
+            pad_id=engine.pad_id,
+            advantage_eps=engine.settings.advantage_eps,
+            vocab_size=engine.config.vocab_size,
+            max_len=engine.config.max_position_embeddings,
+        )
+
+    async def train(self, batch: GRPOBatch) -> TrainResult:
+        publish = self.group.store is not None
+        stats: TrainStats = await self._lead(RankCommand("train", batch, publish=publish))
+        if not publish:
+            return TrainResult(stats=stats, gps_version=None)
+        return TrainResult(
+            stats=stats, gps_version=stats.version, gps_write_s=self.group.last_write_s
+        )
+
+    async def offload(self) -> float:
+        started = time.perf_counter()
+        await self._lead(RankCommand("offload"))
+        return time.perf_counter() - started
+
+    async def reload(self) -> float:
+        started = time.perf_counter()
+        await self._lead(RankCommand("reload"))
+        return time.perf_counter() - started
+
+    async def fingerprints(self) -> list[str]:
+        return await self._lead(RankCommand("fingerprint"))
+
+    async def close(self) -> None:
+        try:
+            if self._failed is None:
+                # bounded: a follower that died leaves rank 0 waiting in the broadcast
+                async with asyncio.timeout(30.0):
+                    await asyncio.to_thread(self.group.lead, RankCommand("quit"))
+        finally:
+            if self.group.store is not None:
+                self.group.store.close()
+
+
+# ---- the other ranks ---------------------------------------------------------------------------
+
+
+class TrainerFollower(Actor):
+    """Rank r > 0 of a trainer group: runs what rank 0 broadcasts until told to quit, then
+    stops (its process exits 0). Answers only Ping on the bus."""
+
+    def __init__(self, name: str, bus: Bus, *, group: RankGroup) -> None:
+        super().__init__(name, bus)
+        self.group = group
+
+    async def run(self) -> None:
+        # a daemon thread, not the default executor: a follower stopped while it waits in a
+        # collective must not hold its process's exit on that thread
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+
+        def settle(exc: BaseException | None) -> None:
+            if done.done():
+                return
+            if exc is None:
+                done.set_result(None)
+            else:
+                done.set_exception(exc)
+
+        def follow() -> None:
+            try:
+                self.group.follow()
+            except BaseException as exc:
+                loop.call_soon_threadsafe(settle, exc)
+            else:
+                loop.call_soon_threadsafe(settle, None)
+
+        threading.Thread(target=follow, name=f"{self.name}:follow", daemon=True).start()
+        await done
+        self.log.info("rank 0 said quit")
+        await self.stop()
+
+
+# ---- processes --------------------------------------------------------------------------------
+
+
+def trainer_rank(
+    name: str,
+    *,
+    directory: dict[str, Any],
+    checkpoint: str,
+    rank: int,
+    world_size: int,
+    rendezvous: str,
+    store_name: str | None = None,
+    settings: dict[str, Any] | None = None,
+    threads: int = 1,
+    controller: str | None = None,
+) -> Actor:
+    """Factory for ``Supervisor.add_process``: rank ``rank`` of a trainer group training the
+    Hugging Face checkpoint ``checkpoint``. Rank 0 returns the ``Trainer`` (and, with
+    ``store_name``, creates the GPS store of that name and writes every version there);
+    the others return a ``TrainerFollower``. ``settings``: a ``TrainingSettings`` as a dict.
+    ``controller``: the actor to tell when a batch waits for the lent pool (see ``Trainer``)."""
+    # a supervised child's first stdout line must be its READY; DeepSpeed and transformers
+    # print while they import and initialise
+    with stdout_to_stderr():
+        return _trainer_rank(
+            name,
+            directory=directory,
+            checkpoint=checkpoint,
+            rank=rank,
+            world_size=world_size,
+            rendezvous=rendezvous,
+            store_name=store_name,
+            settings=settings,
+            threads=threads,
+            controller=controller,
+        )
+
+
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """Point file descriptor 1 (and ``sys.stdout``) at stderr for the block."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _trainer_rank(
+    name: str,
+    *,
+    directory: dict[str, Any],
+    checkpoint: str,
+    rank: int,
+    world_size: int,
+    rendezvous: str,
+    store_name: str | None,
+    settings: dict[str, Any] | None,
+    threads: int,
+    controller: str | None,
+) -> Actor:
+    torch.set_num_threads(threads)
+    training = convert(settings or {}, TrainingSettings, "trainer settings")
+    init_process_group(rank, world_size, rendezvous)
+    engine = DeepSpeedTrainer(checkpoint, training)
+    store = None
+    if rank == 0 and store_name is not None:
+        from pivot.actors.param_store import ParameterStore
+
+        store = ParameterStore(store_name)
+    group = RankGroup(engine, store=store)
+    secret = os.environ.get("PIVOT_SECRET")
+    bus = Bus.nng(Directory.from_dict(directory), rl_messages(), secret=secret)
+    if rank == 0:
+        return Trainer(name, bus, backend=DeepSpeedBackend(group), controller=controller)
+    return TrainerFollower(name, bus, group=group)
+
+
+def trainer_group(
+    name: str,
+    *,
+    directory: Directory | Mapping[str, Any],
+    checkpoint: str | Path,
+    world_size: int,
+    run_dir: str | Path,
+    store_name: str | None = None,
+    settings: TrainingSettings | None = None,
+    threads: int = 1,
+    controller: str | None = None,
+    policy: RestartPolicy | None = None,
+    ready_timeout: float = 600.0,
+) -> list[tuple[str, ChildProcess]]:
+    """The child processes of every rank of a trainer group, by actor name (``trainer_names``,
+    each of which ``directory`` must hold), in the order to supervise them.
+
+    Ranks meet through a file in ``run_dir`` (no TCP port to pick; a stale one from an
+    earlier run is removed). They start together (the supervisor starts consecutive
+    processes at once), rank 0 added last so that it stops first and tells the others to
+    quit. ``controller``: see ``Trainer`` (None: a batch that finds the pool lent reloads
+    at once). ``policy`` defaults to no restart: one restarted rank cannot rejoin a group, so a
+    crash stops the job. ``ready_timeout`` covers imports, the rendezvous and loading the
+    model (plus the FusedAdam JIT build at ZeRO-3 the first time).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, found {world_size}")
+    names = trainer_names(name, world_size)
+    entries = directory.to_dict() if isinstance(directory, Directory) else dict(directory)
+    missing = [n for n in names if n not in entries]
+    if missing:
+        raise ValueError(f"the directory has no entry for trainer ranks {missing}")
+    rendezvous = Path(run_dir).absolute() / f"{name}.rendezvous"
+    rendezvous.parent.mkdir(parents=True, exist_ok=True)
+    rendezvous.unlink(missing_ok=True)
+    settings_dict = _settings_dict(settings or TrainingSettings())
+    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    return [
+        (
+            names[rank],
+            ChildProcess(
+                target="pivot.actors.trainer_deepspeed:trainer_rank",
+                kwargs={
+                    "directory": entries,
+                    "checkpoint": str(Path(checkpoint).absolute()),
+                    "rank": rank,
+                    "world_size": world_size,
+                    "rendezvous": f"file://{rendezvous}",
+                    "store_name": store_name if rank == 0 else None,
+                    "settings": settings_dict,
+                    "threads": threads,
+                    "controller": controller if rank == 0 else None,
+                },
+                env=env,
+                ready_timeout=ready_timeout,
+                policy=policy or RestartPolicy(restart="never"),
+                stop_timeout=15.0,
+            ),
+        )
+        for rank in [*range(1, world_size), 0]
+    ]
+
+
+def add_trainer_group(supervisor: Supervisor, name: str, **group: Any) -> list[str]:
+    """Supervise every rank of ``trainer_group(name, **group)``; returns their names."""
+    ranks = trainer_group(name, **group)
+    for rank_name, child in ranks:
+        child.add_to(supervisor, rank_name)
+    return trainer_names(name, len(ranks))
+
+
+def _settings_dict(settings: TrainingSettings) -> dict[str, Any]:
+    import msgspec
+
+    return msgspec.to_builtins(settings)

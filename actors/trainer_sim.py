@@ -1,0 +1,88 @@
+"""The simulated training backend: ``pivot.engines.sim_engine.SimTrainer`` behind the
+``Trainer`` actor (``pivot.actors.trainer``), costing virtual time instead of computing.
+
+A step trains on ``SimTrainBatch``'s token count and costs the modelled step time plus the
+GPS write of the new policy; offload and reload cost the modelled shift times. Each cost is a
+sleep on the clock the backend is given (the simulation's virtual one).
+
+    SimTrainingBackend(trainer, *, clock)
+"""
+
+from __future__ import annotations
+
+from pivot.actors.trainer import TrainResult
+from pivot.actors.trainer_messages import SimTrainBatch, TrainBatch
+from pivot.bus import Clock
+from pivot.engines.sim_engine import SimTrainer
+from pivot.training import TrainStats
+
+
+class SimTrainingBackend:
+    """``TrainingBackend`` over ``trainer``, sleeping each cost on ``clock``."""
+
+    def __init__(self, trainer: SimTrainer, *, clock: Clock) -> None:
+        if not trainer.awake:
+            raise ValueError("a training backend starts with its state on the devices")
+        self.trainer = trainer
+        self.clock = clock
+
+    @property
+    def version(self) -> int:
+        return self.trainer.version
+
+    @property
+    def world_size(self) -> int:
+        return self.trainer.devices
+
+    @property
+    def zero_stage(self) -> int:
+        return 0  # a cost model: nothing partitioned
+
+    @property
+    def store(self) -> str | None:
+        return None  # the GPS write is a cost; replicas read versions without tensors
+
+    async def start(self) -> None:
+        pass  # version 0 needs no write: nothing reads tensors in a simulation
+
+    async def prepare(self, msg: TrainBatch | SimTrainBatch) -> SimTrainBatch:
+        if not isinstance(msg, SimTrainBatch):
+            raise TypeError(f"a simulated trainer takes SimTrainBatch, not {type(msg).__name__}")
+        if msg.tokens < 0:
+            raise ValueError(f"tokens must be >= 0, got {msg.tokens}")
+        return msg
+
+    async def train(self, batch: SimTrainBatch) -> TrainResult:
+        started = self.clock.now()
+        step = self.trainer.train_step(batch.tokens)
+        write_s = self.trainer.write_s()
+        await self.clock.sleep(step.cost_s + write_s)
+        stats = TrainStats(
+            version=step.version,
+            loss=0.0,
+            grad_norm=0.0,
+            lr=0.0,
+            sequences=batch.sequences,
+            tokens=batch.tokens,
+            reward_mean=0.0,
+            clip_fraction=0.0,
+            ratio_mean=1.0,
+            seconds=self.clock.now() - started,
+        )
+        return TrainResult(stats=stats, gps_version=step.version, gps_write_s=write_s)
+
+    async def offload(self) -> float:
+        cost = self.trainer.offload()
+        await self.clock.sleep(cost.total_s)
+        return cost.total_s
+
+    async def reload(self) -> float:
+        cost = self.trainer.reload()
+        await self.clock.sleep(cost.total_s)
+        return cost.total_s
+
+    async def fingerprints(self) -> list[str]:
+        return []  # a simulated policy has no parameters to digest
+
+    async def close(self) -> None:
+        pass
