@@ -281,7 +281,7 @@ def assemble(
     if control is not None and deployment.managed:
         supervisor.add_actor(
             CONTROLLER,
-            lambda: _controller(deployment, bus, control, schedulers, the_driver, driver),
+            lambda: _controller(deployment, bus, control, the_driver, driver),
             policy=control.restart,
         )
     for name, factory in watchers:
@@ -319,7 +319,6 @@ def _controller(
     deployment: Deployment,
     bus: Bus,
     control: Control,
-    schedulers: Mapping[Role, str],
     driver: Driver,
     options: DriverOptions,
 ) -> Controller:

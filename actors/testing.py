@@ -12,8 +12,10 @@ Ray: what tests and users checking their own deployment both need.
   on the same journal after ``restart_after_s``); drop or delay requests by type and
   destination (``MessageFault``, on the ``FaultyTransport``).
 
-The scripted engine and the engine conformance suite are pure and live beside the engines
-(``pivot.engines``); cluster-snapshot builders beside the planner (``pivot.planning``).
+Pure parts of the kit live beside what they test and are re-exported here: the scripted engine
+(``pivot.engines.scripted.ScriptedEngine``), the engine conformance suite
+(``pivot.engines.conformance``: ``EngineFactory``, ``check_engine``) and the cluster-snapshot
+builders (``pivot.planning.scenarios``).
 
     LocalCluster(clock, deployment, *, backend, source, steps, driver=DriverOptions(),
                  control=None, faults=None, check="shift", watchers=())
@@ -46,11 +48,19 @@ from pivot.bus import Bus, LocalTransport, RequestTimeout, RestartPolicy, Superv
 from pivot.bus.supervisor import ActorFactory
 from pivot.cluster import Allocation, Role
 from pivot.deployment import Deployment, Placement
+from pivot.engines.conformance import ConformanceError, EngineFactory, check_engine
+from pivot.engines.scripted import ScriptedEngine
+from pivot.planning import scenarios
 from pivot.planning.plans import Decision, DoneShift, ShiftPolicy
 from pivot.planning.routing import check_ownership
 from pivot.planning.snapshot import ClusterSnapshot
 
 __all__ = [
+    "ConformanceError",
+    "EngineFactory",
+    "ScriptedEngine",
+    "check_engine",
+    "scenarios",
     "FaultPlan",
     "FaultyTransport",
     "MessageFault",

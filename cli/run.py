@@ -49,6 +49,7 @@ from pivot.cli.live import LiveView
 from pivot.cli.plot import plot_run
 from pivot.cluster import Role, RoleSpec
 from pivot.config import ConfigError, load_toml
+from pivot.deployment import DeploymentKind
 from pivot.engines.protocol import SamplingParams
 from pivot.engines.tokenizer import TextCodec
 from pivot.job import JobConfig
@@ -267,7 +268,7 @@ def prepare(
         job = msgspec.structs.replace(job, seed=seed)
     if deployment is not None:
         job = msgspec.structs.replace(
-            job, deployment=msgspec.structs.replace(job.deployment, kind=deployment)
+            job, deployment=msgspec.structs.replace(job.deployment, kind=DeploymentKind(deployment))
         )
     job.validate(config)
     policy = resolve_model(job.model.policy, config, "model.policy")

@@ -111,7 +111,7 @@ class JobConfig(ConfigStruct):
         """Which devices train, which host a role agent, and what each starts as: one CPU
         "device" per replica, the last ``trainer_devices`` the trainer pool (colocated: every
         device, one DeepSpeed rank each)."""
-        kind, n = self.deployment.kind, self.cluster.devices
+        kind, n = DeploymentKind(self.deployment.kind), self.cluster.devices
         shared, training = self.shared_devices, self.cluster.trainer_devices
         rollout = self.deployment.rollout_devices
         if kind is DeploymentKind.DISAGGREGATED:
