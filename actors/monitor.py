@@ -10,13 +10,51 @@ replica took yet count nowhere).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from pivot.actors.messages import QueryStatus, ReplicaLoad, SchedulerStatus
 from pivot.actors.shift_messages import AllocationChanged, ShiftFinished, ShiftStarted
 from pivot.actors.vocabulary import LOAD_TOPIC, SHIFT_TOPIC
 from pivot.bus import Actor, Bus, BusError
+from pivot.cluster import Role
 from pivot.timeline import RateMeter, RoleSample, ShiftMark
+
+
+class ShiftMarks:
+    """Turns the Controller's shift events into one ``ShiftMark`` per finished shift, with
+    the allocation it left (devices per role, plus ``fixed`` devices outside the Controller's
+    cluster). The Controller publishes ShiftFinished and the AllocationChanged it caused
+    together; a shift rolled back on recovery changed nothing and leaves no mark, and the
+    allocation a recovery reports is no shift."""
+
+    def __init__(self, fixed: Mapping[str, int] | None = None) -> None:
+        self.fixed = dict(fixed or {})
+        self._kinds: dict[int, str] = {}
+        self._finished: ShiftFinished | None = None
+
+    def feed(self, msg: object, origin: float = 0.0) -> ShiftMark | None:
+        """The mark ``msg`` completes, if any; times are seconds since ``origin``."""
+        if isinstance(msg, ShiftStarted):
+            self._kinds[msg.txn] = msg.kind
+        elif isinstance(msg, ShiftFinished):
+            self._finished = msg
+        elif isinstance(msg, AllocationChanged) and self._finished is not None:
+            done, self._finished = self._finished, None
+            kind = self._kinds.pop(done.txn, "shift")
+            if done.outcome != "done":
+                return None
+            counts = dict(self.fixed)
+            for move in msg.replicas:
+                role = Role(move.role).value
+                counts[role] = counts.get(role, 0) + len(move.devices)
+            return ShiftMark(
+                t=done.at - origin,
+                kind=kind,
+                allocation=counts,
+                seconds=done.seconds,
+                phase_s=done.phase_s,
+            )
+        return None
 
 
 class Monitor(Actor):
@@ -45,31 +83,12 @@ class Monitor(Actor):
         self.samples: list[RoleSample] = []
         self.shifts: list[ShiftMark] = []
         self.meter = RateMeter()
-        self._kinds: dict[int, str] = {}
+        self._marks = ShiftMarks()
         self._shift_sub = None
-        self._finished: ShiftFinished | None = None
 
     def _on_shift_event(self, msg: object) -> None:
-        # the Controller publishes ShiftFinished and the AllocationChanged it caused together
-        if isinstance(msg, ShiftStarted):
-            self._kinds[msg.txn] = msg.kind
-        elif isinstance(msg, ShiftFinished):
-            self._finished = msg
-        elif isinstance(msg, AllocationChanged):
-            counts: dict[str, int] = {}
-            for replica in msg.replicas:
-                role = str(getattr(replica.role, "value", replica.role))
-                counts[role] = counts.get(role, 0) + len(replica.devices)
-            done, self._finished = self._finished, None
-            if done is None:
-                return  # the allocation after recovery, not a shift
-            mark = ShiftMark(
-                t=done.at - self.origin,
-                kind=self._kinds.pop(done.txn, "shift"),
-                allocation=counts,
-                seconds=done.seconds,
-                phase_s=done.phase_s,
-            )
+        mark = self._marks.feed(msg, self.origin or 0.0)
+        if mark is not None:
             self.shifts.append(mark)
             if self.on_shift is not None:
                 self.on_shift(mark)

@@ -46,8 +46,8 @@ from pivot.actors.assembly import (
 )
 from pivot.actors.controller import ControllerSettings
 from pivot.actors.journal import Journal
+from pivot.actors.monitor import ShiftMarks
 from pivot.actors.scheduler import Scheduler
-from pivot.actors.shift_messages import AllocationChanged, ShiftFinished, ShiftStarted
 from pivot.actors.sources import WorkloadSource
 from pivot.actors.testing import FaultPlan, InvariantViolation, LocalCluster
 from pivot.actors.trainer_sim import SimTrainingBackend
@@ -193,11 +193,10 @@ class _Observer(Actor):
         self.schedulers = dict(schedulers)
         self.models = dict(models)
         self.interval = interval
-        self.fixed = dict(fixed)  # devices outside the Controller's cluster, per role
         self.samples: list[RoleSample] = []
         self.marks: list[ShiftMark] = []
-        self._kinds: dict[int, str] = {}
-        self._finished: ShiftFinished | None = None
+        # devices outside the Controller's cluster count in every mark's allocation
+        self._shift_marks = ShiftMarks(fixed)
 
     def sample(self) -> None:
         now = self.clock.now()
@@ -221,27 +220,9 @@ class _Observer(Actor):
             )
 
     def on_shift_event(self, msg: Any) -> None:
-        if isinstance(msg, ShiftStarted):
-            self._kinds[msg.txn] = msg.kind
-        elif isinstance(msg, ShiftFinished):
-            self._finished = msg
-        elif isinstance(msg, AllocationChanged) and self._finished is not None:
-            done, self._finished = self._finished, None
-            if done.outcome != "done":
-                self._kinds.pop(done.txn, None)
-                return  # rolled back on recovery: the allocation did not change
-            counts = dict(self.fixed)
-            for move in msg.replicas:
-                role = Role(move.role).value
-                counts[role] = counts.get(role, 0) + len(move.devices)
-            self.marks.append(
-                ShiftMark(
-                    t=done.at,
-                    kind=self._kinds.pop(done.txn, "shift"),
-                    allocation=counts,
-                    seconds=done.seconds,
-                )
-            )
+        mark = self._shift_marks.feed(msg)
+        if mark is not None:
+            self.marks.append(mark)
 
     async def run(self) -> None:
         shifts = self.subscribe(SHIFT_TOPIC, publishers=CONTROLLER)
