@@ -9,8 +9,9 @@ Ray: what tests and users checking their own deployment both need.
   schedulers routing to exactly its replicas; the trainer holding its pool exactly when the
   allocation gives it the pool.
 * ``FaultPlan``: crash the Controller right before its n-th journal record (a new one starts
-  on the same journal after ``restart_after_s``); drop or delay requests by type and
-  destination (``MessageFault``, on the ``FaultyTransport``).
+  on the same journal after ``restart_after_s``); crash any in-process actor at a given time
+  (``ActorCrash``); drop or delay requests by type and destination (``MessageFault``, on the
+  ``FaultyTransport``).
 
 Pure parts of the kit live beside what they test and are re-exported here: the scripted engine
 (``pivot.engines.scripted.ScriptedEngine``), the engine conformance suite
@@ -56,6 +57,7 @@ from pivot.planning.routing import check_ownership
 from pivot.planning.snapshot import ClusterSnapshot
 
 __all__ = [
+    "ActorCrash",
     "ConformanceError",
     "EngineFactory",
     "ScriptedEngine",
@@ -93,14 +95,23 @@ class MessageFault(msgspec.Struct, frozen=True, kw_only=True):
     count: int = 1
 
 
+class ActorCrash(msgspec.Struct, frozen=True, kw_only=True):
+    """The in-process actor ``actor`` crashes at ``at_s`` on the cluster's clock (its
+    supervisor then restarts it or stops the run, per its restart policy)."""
+
+    actor: str
+    at_s: float
+
+
 class FaultPlan(msgspec.Struct, frozen=True, kw_only=True):
     """Faults to inject into a local cluster. ``crash_controller_before_record``: the first
     Controller dies right before writing that journal record (1-based); a new one, on the same
-    journal, starts ``restart_after_s`` later and recovers. ``messages``: requests dropped or
-    delayed on the way."""
+    journal, starts ``restart_after_s`` later and recovers. ``crashes``: actors that crash at
+    a given time. ``messages``: requests dropped or delayed on the way."""
 
     crash_controller_before_record: int | None = None
     restart_after_s: float = 5.0
+    crashes: tuple[ActorCrash, ...] = ()
     messages: tuple[MessageFault, ...] = ()
 
 
@@ -321,6 +332,7 @@ class LocalCluster:
             watchers=watchers,
         )
         self.checker = InvariantChecker(self.assembly)
+        self.crashes = faults.crashes if faults is not None else ()
 
     @property
     def checks(self) -> int:
@@ -354,7 +366,11 @@ class LocalCluster:
             return _CheckedPolicy(inner, self.check, self._allocation, every_tick)
 
         restart = control.restart
-        if faults is not None and crash is not None:
+        crashes = faults is not None and (
+            crash is not None or any(c.actor == CONTROLLER for c in faults.crashes)
+        )
+        if crashes:
+            assert faults is not None
             restart = RestartPolicy(
                 restart="on_failure",
                 max_restarts=1_000_000,
@@ -363,6 +379,16 @@ class LocalCluster:
                 backoff_max=faults.restart_after_s,
             )
         return dataclasses.replace(control, journal=journal, wrap_policy=wrap, restart=restart)
+
+    def _crash(self, crash: ActorCrash) -> None:
+        actor = self.assembly.actor(crash.actor)  # the instance running now
+        if actor is None:
+            return
+
+        async def die() -> None:
+            raise InjectedCrash(f"injected crash of {crash.actor!r} at {crash.at_s:g} s")
+
+        actor.spawn(die(), name="injected-crash")
 
     def _allocation(self) -> Allocation | None:
         controller = self.assembly.controller
@@ -375,6 +401,12 @@ class LocalCluster:
         sup, driver = self.supervisor, self.assembly.driver
         try:
             await sup.start()
+            for crash in self.crashes:
+                if self.assembly.actor(crash.actor) is None:
+                    raise InvariantViolation(
+                        f"no actor {crash.actor!r} runs in this process to crash"
+                    )
+                self.clock.call_later(crash.at_s - self.clock.now(), self._crash, crash)
             finished = asyncio.ensure_future(driver.finished.wait())
             failed = asyncio.ensure_future(sup.wait())
             await asyncio.wait({finished, failed}, return_when=asyncio.FIRST_COMPLETED)

@@ -19,8 +19,9 @@ from pivot.actors.simulation import (
     simulate,
     simulated_cluster,
 )
-from pivot.actors.testing import FaultPlan, InvariantViolation, MessageFault
+from pivot.actors.testing import ActorCrash, FaultPlan, InvariantViolation, MessageFault
 from pivot.bus import run_virtual
+from pivot.bus.supervisor import SupervisorEscalation
 from pivot.cluster import ClusterSpec, Device, Pool, Role, RoleSpec
 from pivot.deployment import DeploymentKind, Split, sweep_splits, table4_split
 from pivot.planning.plans import TRAINER_ID
@@ -191,6 +192,38 @@ def test_a_dropped_assign_and_delayed_reports_still_score_every_sequence_once(tm
     assert cluster.checks > 5
     for scheduler in cluster.assembly.schedulers.values():
         assert scheduler.core.ledger.counts()["done"] == 2 * 16
+
+
+def _run_with(tmp_path, workload, faults):
+    async def main(clock):
+        sim = simulated_cluster(
+            clock,
+            workload,
+            _pivot(workload),
+            SimulationSettings(steps=2, check="tick"),
+            tmp_path / "j.bin",
+            faults=faults,
+        )
+        await sim.cluster.run()
+        return sim.cluster
+
+    return run_virtual(main)
+
+
+def test_a_controller_killed_between_shifts_is_restarted_and_the_run_completes(tmp_path):
+    workload = _busy_toy(tmp_path)
+    faults = FaultPlan(crashes=(ActorCrash(actor="controller", at_s=2.5),), restart_after_s=1.0)
+    cluster = _run_with(tmp_path, workload, faults)
+    assert cluster.restarts == 1
+    assert [r.samples for r in cluster.assembly.driver.reports] == [16, 16]
+
+
+def test_a_killed_agent_stops_the_run_and_says_which(tmp_path):
+    # agents are not restarted in a simulation: a dead one is a failed run, named
+    workload = _busy_toy(tmp_path)
+    faults = FaultPlan(crashes=(ActorCrash(actor="agent-0", at_s=0.5),))
+    with pytest.raises(SupervisorEscalation, match="agent-0.*injected crash"):
+        _run_with(tmp_path, workload, faults)
 
 
 def _deterministic(result) -> bytes:
