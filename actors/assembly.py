@@ -14,7 +14,8 @@ and their settings, never a flag inside an actor.
              control=None, watchers=()) -> Assembly
     Assembly: .deployment .supervisor .driver .controller .schedulers .agents .trainer
               .actor(name)
-    DRIVER, CONTROLLER, TRAINER, MONITOR, SCHEDULERS, agent_name(device)   the actors' names
+    DRIVER, CONTROLLER, TRAINER, MONITOR, SCHEDULERS, agent_name(device),
+    trainer_names(name, world_size)   the actors' names
 """
 
 from __future__ import annotations
@@ -57,6 +58,12 @@ ONCE = RestartPolicy(restart="never")
 
 def agent_name(device: int) -> str:
     return f"agent-{device}"
+
+
+def trainer_names(name: str, world_size: int) -> list[str]:
+    """The actor names of a trainer group: rank 0 is ``name`` (the one others address),
+    rank r > 0 is ``f"{name}-{r}"``. Every one needs an entry in the job's directory."""
+    return [name] + [f"{name}-{r}" for r in range(1, world_size)]
 
 
 class AgentStart(msgspec.Struct, frozen=True, kw_only=True):
@@ -379,5 +386,6 @@ __all__ = [
     "Control",
     "DriverOptions",
     "agent_name",
+    "trainer_names",
     "assemble",
 ]

@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from pivot.actors.assembly import ChildProcess
+from pivot.actors.assembly import ChildProcess, trainer_names
 from pivot.actors.trainer import Trainer, TrainerOffloaded, TrainResult
 from pivot.actors.trainer_messages import SimTrainBatch, TrainBatch
 from pivot.actors.vocabulary import rl_messages
@@ -72,12 +72,6 @@ from pivot.grpo import (
 #: batch can take a long time to roll out and score.
 COMMAND_TIMEOUT = datetime.timedelta(days=7)
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
-
-
-def trainer_names(name: str, world_size: int) -> list[str]:
-    """The actor names of a trainer group: rank 0 is ``name`` (the one others address),
-    rank r > 0 is ``f"{name}-{r}"``. Every one needs an entry in the job's directory."""
-    return [name] + [f"{name}-{r}" for r in range(1, world_size)]
 
 
 def _import_deepspeed():

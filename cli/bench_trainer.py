@@ -55,7 +55,8 @@ async def bench(
 ) -> dict[str, Any]:
     """Start a trainer group of ``world_size`` ranks, time ``steps`` training steps, GPS
     writes, offload and reload; medians in milliseconds."""
-    from pivot.actors.trainer_deepspeed import add_trainer_group, trainer_names
+    from pivot.actors.assembly import trainer_names
+    from pivot.actors.trainer_deepspeed import add_trainer_group
     from pivot.actors.trainer_messages import OffloadTrainer, ReloadTrainer, TrainBatch
     from pivot.actors.vocabulary import rl_messages
     from pivot.bus import Actor, Bus, Directory, Supervisor

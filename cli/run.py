@@ -35,13 +35,13 @@ from pivot.actors.assembly import (
     DriverOptions,
     agent_name,
     assemble,
+    trainer_names,
 )
 from pivot.actors.controller import ControllerSettings, open_journal
 from pivot.actors.driver import StepReport
 from pivot.actors.monitor import Monitor
 from pivot.actors.processes import ProcessBackend
 from pivot.actors.sources import TaskSource
-from pivot.actors.trainer_deepspeed import trainer_names
 from pivot.actors.vocabulary import rl_messages
 from pivot.assets import ASSETS
 from pivot.bus import Bus, Directory, RestartPolicy, Supervisor, configure_logging, run_real

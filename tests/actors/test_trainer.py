@@ -18,11 +18,12 @@ import pytest
 import pytest_asyncio
 import torch
 
+from pivot.actors.assembly import trainer_names
 from pivot.actors.messages import Ack
 from pivot.actors.param_store import ParameterReader
 from pivot.actors.shift_messages import TrainerPhaseChanged
 from pivot.actors.trainer import Trainer, TrainResult
-from pivot.actors.trainer_deepspeed import add_trainer_group, fingerprint, trainer_names
+from pivot.actors.trainer_deepspeed import add_trainer_group, fingerprint
 from pivot.actors.trainer_messages import (
     OffloadTrainer,
     QueryTrainer,
