@@ -50,8 +50,9 @@ from pivot.cli.plot import plot_run
 from pivot.cluster import Role, RoleSpec
 from pivot.config import ConfigError, load_toml
 from pivot.deployment import DeploymentKind
+from pivot.engines.checkpoint import inspect_checkpoint
 from pivot.engines.protocol import SamplingParams
-from pivot.engines.tokenizer import TextCodec
+from pivot.engines.tokenizer import SPECIAL_TOKENS, TextCodec
 from pivot.job import JobConfig
 from pivot.planning.cost import CostModel
 from pivot.planning.routing import RouterSettings, make_router
@@ -277,7 +278,25 @@ def prepare(
         if job.reward.kind == "genrm"
         else None
     )
+    for folder in (policy, genrm):
+        if folder is not None:
+            check_model(folder)
     return job, policy, genrm
+
+
+def check_model(folder: Path) -> None:
+    """What the agents and the trainer will load, read here first: a folder pivot cannot
+    serve is one line naming the file and the key, before any child process starts."""
+    inspect_checkpoint(folder)
+    try:
+        TextCodec.from_dir(folder)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            str(folder / "tokenizer.json"),
+            "",
+            f"pivot's character tokenizer (with the tokens {', '.join(SPECIAL_TOKENS)})",
+            str(exc),
+        ) from None
 
 
 @contextlib.contextmanager

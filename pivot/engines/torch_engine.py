@@ -20,18 +20,17 @@ gate|up per layer) and every checkpoint name is a view into them, which is what
 
 from __future__ import annotations
 
-import json
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import msgspec
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from pivot.engines.checkpoint import Qwen2Spec, inspect_checkpoint
 from pivot.engines.context import RoleContext
 from pivot.engines.protocol import (
     ContextKind,
@@ -52,102 +51,13 @@ _MASK64 = (1 << 64) - 1
 _EMA = 0.1  # weight of the newest step in the mean step latency
 
 
-class Qwen2Spec(msgspec.Struct, frozen=True, kw_only=True):
-    """The parts of a Qwen2 config.json the forward needs."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    eos_token_ids: tuple[int, ...]
-
-    @classmethod
-    def from_config(cls, config: dict, source: str = "config.json") -> Qwen2Spec:
-        """Validate a Qwen2 config dict; unsupported features get an error naming the key."""
-
-        def need(key: str, kind: type = int):
-            if key not in config or config[key] is None:
-                raise ValueError(f"{source}: missing key '{key}'")
-            value = config[key]
-            if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-                raise ValueError(f"{source}: key '{key}' must be an integer, found {value!r}")
-            return value
-
-        model_type = config.get("model_type")
-        if model_type != "qwen2":
-            raise ValueError(f"{source}: key 'model_type': expected 'qwen2', found {model_type!r}")
-        act = config.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"{source}: key 'hidden_act': only 'silu' is supported, found {act!r}")
-        if config.get("use_sliding_window"):
-            raise ValueError(f"{source}: key 'use_sliding_window': sliding window is not supported")
-        layer_types = config.get("layer_types") or []
-        if any(t != "full_attention" for t in layer_types):
-            raise ValueError(f"{source}: key 'layer_types': only full_attention is supported")
-        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"{source}: rope type {rope_type!r} is not supported (only default)")
-        # transformers >= 5 keeps rope_theta in rope_parameters; 4.x at the top level
-        theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
-        heads = need("num_attention_heads")
-        hidden = need("hidden_size")
-        kv_heads = config.get("num_key_value_heads") or heads
-        if heads % kv_heads:
-            raise ValueError(
-                f"{source}: num_attention_heads ({heads}) must be a multiple of "
-                f"num_key_value_heads ({kv_heads})"
-            )
-        eos = config.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        return cls(
-            vocab_size=need("vocab_size"),
-            hidden_size=hidden,
-            intermediate_size=need("intermediate_size"),
-            num_hidden_layers=need("num_hidden_layers"),
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            head_dim=config.get("head_dim") or hidden // heads,
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
-            max_position_embeddings=need("max_position_embeddings"),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            eos_token_ids=eos_ids,
-        )
-
-
 def read_checkpoint(path: str | Path) -> tuple[Qwen2Spec, dict[str, torch.Tensor]]:
-    """The spec and the tensors of a Hugging Face Qwen2 checkpoint folder.
-
-    Reads config.json (eos from generation_config.json when config.json has none) and
-    model.safetensors or the shards listed in model.safetensors.index.json.
-    """
-    folder = Path(path)
-    config_path = folder / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{folder}: no config.json (not a Hugging Face checkpoint folder)")
-    config = json.loads(config_path.read_text())
-    gen_path = folder / "generation_config.json"
-    if config.get("eos_token_id") is None and gen_path.is_file():
-        config["eos_token_id"] = json.loads(gen_path.read_text()).get("eos_token_id")
-    spec = Qwen2Spec.from_config(config, source=str(config_path))
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (folder / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+    """The spec and the tensors of a Hugging Face Qwen2 checkpoint folder (see
+    ``pivot.engines.checkpoint``: model.safetensors or the shards its index lists)."""
+    spec, files = inspect_checkpoint(path)
     tensors: dict[str, torch.Tensor] = {}
-    for name in files:
-        tensors.update(load_file(str(folder / name)))
+    for file in files:
+        tensors.update(load_file(str(file)))
     return spec, tensors
 
 

@@ -37,3 +37,37 @@ def test_bad_flag_and_bad_config_are_named(tmp_path):
     missing_model.write_text("[model]\npolicy = 'no-such-model'\n")
     out = _pivot("run", str(missing_model))
     assert out.returncode == 2 and "model.policy" in out.stderr and "no-such-model" in out.stderr
+
+
+def test_a_model_folder_pivot_cannot_serve_is_named_before_any_child_starts(tmp_path):
+    import json
+    import shutil
+
+    from tokenizers import Tokenizer, models
+
+    from pivot.assets import ASSETS
+
+    llama = tmp_path / "llama"
+    shutil.copytree(ASSETS / "tiny-policy", llama)
+    config = json.loads((llama / "config.json").read_text())
+    (llama / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    bpe = tmp_path / "bpe"
+    shutil.copytree(ASSETS / "tiny-policy", bpe)
+    Tokenizer(models.BPE()).save(str(bpe / "tokenizer.json"))  # no pivot special tokens
+    unweighted = tmp_path / "unweighted"
+    shutil.copytree(ASSETS / "tiny-policy", unweighted)
+    (unweighted / "model.safetensors").unlink()
+    cases = [
+        (llama, f"{llama / 'config.json'}: key 'model_type': expected 'qwen2'", "found 'llama'"),
+        (bpe, f"{bpe / 'tokenizer.json'}: expected pivot's character tokenizer", "<pad>"),
+        (unweighted, f"{unweighted}: expected model.safetensors", "found neither"),
+    ]
+    for folder, where, what in cases:
+        job = tmp_path / f"{folder.name}.toml"
+        job.write_text(f"[model]\npolicy = '{folder}'\n")
+        run_dir = tmp_path / f"run-{folder.name}"
+        out = _pivot("run", str(job), "--run-dir", str(run_dir))
+        assert out.returncode == 2, out.stderr
+        [line] = out.stderr.splitlines()
+        assert where in line and what in line, line
+        assert not run_dir.exists()  # nothing started, nothing written

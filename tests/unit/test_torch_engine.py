@@ -415,15 +415,15 @@ def test_spec_rejects_unsupported_configs():
     }
     assert Qwen2Spec.from_config(base).rope_theta == 10000.0
     assert Qwen2Spec.from_config({**base, "rope_theta": 5.0}).rope_theta == 5.0
-    with pytest.raises(ValueError, match="model_type"):
+    with pytest.raises(ValueError, match="key 'model_type': expected 'qwen2'.*found 'llama'"):
         Qwen2Spec.from_config({**base, "model_type": "llama"})
-    with pytest.raises(ValueError, match="sliding window"):
+    with pytest.raises(ValueError, match="key 'use_sliding_window'"):
         Qwen2Spec.from_config({**base, "use_sliding_window": True})
-    with pytest.raises(ValueError, match="rope type"):
+    with pytest.raises(ValueError, match="key 'rope_scaling'.*found 'yarn'"):
         Qwen2Spec.from_config({**base, "rope_parameters": {"rope_type": "yarn"}})
-    with pytest.raises(ValueError, match="missing key 'vocab_size'"):
+    with pytest.raises(ValueError, match="key 'vocab_size': expected a value"):
         Qwen2Spec.from_config({k: v for k, v in base.items() if k != "vocab_size"})
-    with pytest.raises(ValueError, match="multiple"):
+    with pytest.raises(ValueError, match="divisor of num_attention_heads"):
         Qwen2Spec.from_config({**base, "num_key_value_heads": 3})
 
 

@@ -1,0 +1,136 @@
+"""Hugging Face checkpoint folders as pivot's engines read them, without torch: the parts of
+config.json the forward needs (``Qwen2Spec``), validated with errors that name the file, the
+key, what is supported and what was found, and the safetensors files that hold the weights.
+``pivot run`` checks every model folder this way before any child process starts.
+
+    inspect_checkpoint(folder) -> (Qwen2Spec, [weight files])    raises CheckpointError
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+
+from pivot.config import ConfigError
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint folder pivot cannot serve: the file, the key, what is supported and what
+    was found, as a config error says them (``str()`` is the one line to show)."""
+
+
+class Qwen2Spec(msgspec.Struct, frozen=True, kw_only=True):
+    """The parts of a Qwen2 config.json the forward needs."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_config(cls, config: dict, source: str = "config.json") -> Qwen2Spec:
+        """Validate a Qwen2 config dict; unsupported features get a ``CheckpointError``
+        naming the file, the key, what pivot supports and what was found."""
+
+        def need(key: str, kind: type = int):
+            if key not in config or config[key] is None:
+                raise CheckpointError(source, key, "a value", "none")
+            value = config[key]
+            if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+                raise CheckpointError(source, key, "an integer", repr(value))
+            return value
+
+        model_type = config.get("model_type")
+        if model_type != "qwen2":
+            raise CheckpointError(
+                source, "model_type", "'qwen2' (the family pivot's engine serves)", repr(model_type)
+            )
+        act = config.get("hidden_act", "silu")
+        if act != "silu":
+            raise CheckpointError(source, "hidden_act", "'silu'", repr(act))
+        if config.get("use_sliding_window"):
+            raise CheckpointError(source, "use_sliding_window", "false (no sliding window)", "true")
+        layer_types = config.get("layer_types") or []
+        if any(t != "full_attention" for t in layer_types):
+            raise CheckpointError(
+                source, "layer_types", "only 'full_attention'", repr(sorted(set(layer_types)))
+            )
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise CheckpointError(source, "rope_scaling", "the default rope", repr(rope_type))
+        # transformers >= 5 keeps rope_theta in rope_parameters; 4.x at the top level
+        theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+        heads = need("num_attention_heads")
+        hidden = need("hidden_size")
+        kv_heads = config.get("num_key_value_heads") or heads
+        if heads % kv_heads:
+            raise CheckpointError(
+                source,
+                "num_key_value_heads",
+                f"a divisor of num_attention_heads ({heads})",
+                repr(kv_heads),
+            )
+        eos = config.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            vocab_size=need("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=need("intermediate_size"),
+            num_hidden_layers=need("num_hidden_layers"),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=config.get("head_dim") or hidden // heads,
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            max_position_embeddings=need("max_position_embeddings"),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            eos_token_ids=eos_ids,
+        )
+
+
+def inspect_checkpoint(path: str | Path) -> tuple[Qwen2Spec, list[Path]]:
+    """The spec of a Hugging Face Qwen2 checkpoint folder and the files of its weights.
+
+    Reads config.json (eos from generation_config.json when config.json has none) and finds
+    model.safetensors or the shards listed in model.safetensors.index.json.
+    """
+    folder = Path(path)
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(str(folder), "", "a Hugging Face checkpoint folder", "no config.json")
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(
+            str(config_path), "", "a JSON object", f"unreadable ({exc})"
+        ) from None
+    if not isinstance(config, dict):
+        raise CheckpointError(str(config_path), "", "a JSON object", type(config).__name__)
+    gen_path = folder / "generation_config.json"
+    if config.get("eos_token_id") is None and gen_path.is_file():
+        config["eos_token_id"] = json.loads(gen_path.read_text()).get("eos_token_id")
+    spec = Qwen2Spec.from_config(config, source=str(config_path))
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [n for n in names if not (folder / n).is_file()]
+        if missing:
+            raise CheckpointError(str(index), "weight_map", "shards that exist", ", ".join(missing))
+    elif (folder / "model.safetensors").is_file():
+        names = ["model.safetensors"]
+    else:
+        raise CheckpointError(
+            str(folder), "", "model.safetensors or model.safetensors.index.json", "neither"
+        )
+    return spec, [folder / n for n in names]
