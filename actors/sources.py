@@ -57,7 +57,11 @@ class Source(Protocol):
 
 
 class TaskSource:
-    """The project's arithmetic task: problems from a seed, prompts x samples each."""
+    """The project's arithmetic task: problems from a seed, prompts x samples each.
+
+    ``codec`` is the policy's tokenizer, ``judge_codec`` the GenRM's (default: the same): a
+    response reaches the GenRM as text, and its judging prompt is encoded, and its judgment
+    decoded, with the GenRM's own tokenizer."""
 
     def __init__(
         self,
@@ -69,8 +73,10 @@ class TaskSource:
         sampling: SamplingParams,
         judged: bool,
         judgment_tokens: int = 24,
+        judge_codec: TextCodec | None = None,
     ) -> None:
         self.codec = codec
+        self.judge_codec = judge_codec or codec
         self.seed = seed
         self.prompts_per_step = prompts_per_step
         self.samples_per_prompt = samples_per_prompt
@@ -122,7 +128,7 @@ class TaskSource:
         prompt = genrm_prompt(problem.prompt, self._text(sample), problem.reference)
         return Work(
             seq_id=sample.seq_id,
-            prompt_ids=self.codec.encode(prompt),
+            prompt_ids=self.judge_codec.encode(prompt),
             sampling=SamplingParams(max_new_tokens=self.judgment_tokens, temperature=0.0),
         )
 
@@ -132,7 +138,8 @@ class TaskSource:
         if not self.judged:
             return float(bool(sample.correct))
         assert sample.judgment is not None
-        judgment = self.tally.add(parse_judgment(self.codec.decode(sample.judgment.token_ids)))
+        text = self.judge_codec.decode(sample.judgment.token_ids)
+        judgment = self.tally.add(parse_judgment(text))
         sample.malformed = judgment.malformed
         return judgment.score
 

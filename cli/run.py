@@ -155,9 +155,15 @@ class Job:
         def on_step(report: StepReport) -> None:
             metrics.write(msgspec.json.encode(report) + b"\n")
             metrics.flush()
+            # the GenRM's agreement with the exact checker (only where both judge), and the
+            # judgments it wrote with no readable verdict: they scored 0, and say so
             agree = (
-                "" if report.genrm_agreement is None else f" genrm {report.genrm_agreement:4.2f}"
+                ""
+                if report.genrm_agreement is None
+                else f" genrm=exact {report.genrm_agreement:4.2f}"
             )
+            if report.malformed_judgments:
+                agree += f" malformed {report.malformed_judgments}"
             loss = f" loss {report.train['loss']:+.3f}" if report.train else ""
             if self.view is not None:
                 self.view.on_step(report.reward_mean, report.samples_per_s)
@@ -196,6 +202,7 @@ class Job:
             ),
             judged=self.genrm is not None,
             judgment_tokens=job.reward.max_new_tokens,
+            judge_codec=TextCodec.from_dir(self.genrm) if self.genrm is not None else None,
         )
         monitor = Monitor(
             MONITOR,

@@ -383,3 +383,47 @@ def test_a_repeated_delivery_counts_once_and_is_reported():
     assert unknown == 12
     assert [r.rollout_by_replica for r in reports] == [{"echo": 6}, {"echo": 6}]
     assert all(r.accuracy == 1.0 for r in reports)  # the first delivery was scored
+
+
+def test_a_genrm_with_its_own_tokenizer_gets_the_response_as_text_in_its_own_ids():
+    from pivot.actors.sources import Sample
+    from pivot.engines.tokenizer import ALPHABET
+    from pivot.task import genrm_prompt
+
+    judge = TextCodec(build_tokenizer(ALPHABET[::-1]))  # same characters, other ids
+    source = TaskSource(
+        CODEC,
+        seed=0,
+        prompts_per_step=1,
+        samples_per_prompt=1,
+        sampling=SamplingParams(max_new_tokens=8),
+        judged=True,
+        judge_codec=judge,
+    )
+    [(sample, work)] = source.batch(0, 0)
+    problem = source._problems[sample.seq_id]
+    response = worked_response(problem.prompt)
+    sample = Sample(
+        seq_id=sample.seq_id,
+        group=sample.group,
+        prompt_ids=sample.prompt_ids,
+        response=Completion(
+            seq_id=sample.seq_id,
+            token_ids=CODEC.encode(response, bos=False),
+            logprobs=[],
+            finish_reason=FinishReason.STOP,
+        ),
+    )
+    expected = genrm_prompt(problem.prompt, response, problem.reference)
+    judged = source.judge(sample)
+    assert judged.prompt_ids == judge.encode(expected) != CODEC.encode(expected)
+    # the judgment comes back in the GenRM's ids and is read with its tokenizer
+    verdict = ideal_judgment(response, problem.reference)
+    sample.judgment = Completion(
+        seq_id=sample.seq_id,
+        token_ids=judge.encode(verdict, bos=False),
+        logprobs=[],
+        finish_reason=FinishReason.STOP,
+    )
+    sample.correct = source.check(sample)
+    assert source.score(sample) == float(sample.correct) and not sample.malformed
