@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pivot.cli.flags import positive
 from pivot.deployment import BASELINES, DeploymentKind
 
 if TYPE_CHECKING:  # the job's modules load torch: only when a bench runs
@@ -141,19 +142,12 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
-
-
 def add_parser(bench_sub) -> None:  # noqa: ANN001 - argparse's private subparsers type
     p = bench_sub.add_parser(
         "shift", help="shift and migration latency; the tiny job's samples/s per deployment"
     )
     p.add_argument("config", nargs="?", default="configs/tiny.toml")
-    p.add_argument("--steps", type=_positive, default=5, help="RL steps per deployment (default 5)")
+    p.add_argument("--steps", type=positive, default=5, help="RL steps per deployment (default 5)")
     p.add_argument(
         "--deployments",
         nargs="+",

@@ -14,6 +14,8 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pivot.cli.flags import positive
+
 if TYPE_CHECKING:  # torch and DeepSpeed load only when a bench runs
     from pivot.grpo import RolloutSample, TrainingSettings
 
@@ -148,22 +150,15 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
-
-
 def add_parser(bench_sub) -> None:  # noqa: ANN001 - argparse's private subparsers type
     p = bench_sub.add_parser(
         "trainer", help="DeepSpeed trainer group: step, GPS write, offload and reload times"
     )
     p.add_argument("--checkpoint", required=True, help="a Hugging Face Qwen2 checkpoint folder")
     p.add_argument(
-        "--world-sizes", type=_positive, nargs="+", default=[1, 2], help="ranks (default 1 2)"
+        "--world-sizes", type=positive, nargs="+", default=[1, 2], help="ranks (default 1 2)"
     )
-    p.add_argument("--steps", type=_positive, default=10, help="timed steps (default 10)")
+    p.add_argument("--steps", type=positive, default=10, help="timed steps (default 10)")
     p.add_argument("--zero-stage", type=int, default=2, choices=[1, 2, 3])
     p.add_argument("--json", action="store_true", help="one JSON object per world size")
     p.set_defaults(func=main)

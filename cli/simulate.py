@@ -27,6 +27,7 @@ from typing import Any
 
 import msgspec
 
+from pivot.cli.flags import positive
 from pivot.deployment import KIND_NAMES
 
 DEPLOYMENTS = ("all", *KIND_NAMES)
@@ -45,8 +46,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("config", help="a workload, e.g. configs/sim/qwen2.5-7b_qwen3-30b-a3b.toml")
     p.add_argument("--deployment", choices=DEPLOYMENTS, default="all")
-    p.add_argument("--gpus", type=int, default=128, help="simulated devices (default 128)")
-    p.add_argument("--steps", type=int, default=5, help="RL steps per run (default 5)")
+    p.add_argument("--gpus", type=positive, default=128, help="simulated devices (default 128)")
+    p.add_argument("--steps", type=positive, default=5, help="RL steps per run (default 5)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--run-dir", default=None, help="default runs/simulate/<workload>-<N>gpus-s<S>")
@@ -66,7 +67,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--no-sweep", action="store_true", help="baselines at Table 4's split only")
     p.add_argument(
-        "--sweep-steps", type=int, default=3, help="steps per run while sweeping (default 3)"
+        "--sweep-steps", type=positive, default=3, help="steps per run while sweeping (default 3)"
     )
     p.add_argument(
         "--interval",
@@ -97,9 +98,6 @@ def main(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     configure_logging("warning")
     workload = load_workload(args.config)
-    if args.gpus < 1 or args.steps < 1 or args.sweep_steps < 1:
-        print("pivot simulate: --gpus, --steps and --sweep-steps must be >= 1", file=sys.stderr)
-        return 2
     planner: dict[str, Any] = {}
     if args.horizon is not None:
         planner["horizon_s"] = args.horizon

@@ -164,36 +164,6 @@ def test_a_controller_crash_mid_shift_recovers_and_the_run_completes(tmp_path, r
     assert result.checks > 5
 
 
-def test_a_dropped_assign_and_delayed_reports_still_score_every_sequence_once(tmp_path):
-    workload = _busy_toy(tmp_path)
-    faults = FaultPlan(
-        messages=(
-            MessageFault(message="Assign", to="agent-0"),  # its sequences go back to the queue
-            MessageFault(message="Finished", action="delay", delay_s=2.0, skip=1, count=3),
-        )
-    )
-
-    async def main(clock):
-        sim = simulated_cluster(
-            clock,
-            workload,
-            _pivot(workload),
-            SimulationSettings(steps=2, check="tick"),
-            tmp_path / "j.bin",
-            faults=faults,
-        )
-        assembly = await sim.cluster.run()
-        return sim.cluster, assembly.driver.reports
-
-    cluster, reports = run_virtual(main)
-    assert cluster.transport.hits == [1, 3]
-    assert [r.samples for r in reports] == [16, 16]
-    assert sum(r.duplicates for r in reports) == 0
-    assert cluster.checks > 5
-    for scheduler in cluster.assembly.schedulers.values():
-        assert scheduler.core.ledger.counts()["done"] == 2 * 16
-
-
 def _run_with(tmp_path, workload, faults):
     async def main(clock):
         sim = simulated_cluster(
@@ -208,6 +178,25 @@ def _run_with(tmp_path, workload, faults):
         return sim.cluster
 
     return run_virtual(main)
+
+
+def test_a_dropped_assign_and_delayed_reports_still_score_every_sequence_once(tmp_path):
+    workload = _busy_toy(tmp_path)
+    faults = FaultPlan(
+        messages=(
+            MessageFault(message="Assign", to="agent-0"),  # its sequences go back to the queue
+            MessageFault(message="Finished", action="delay", delay_s=2.0, skip=1, count=3),
+        )
+    )
+
+    cluster = _run_with(tmp_path, workload, faults)
+    reports = cluster.assembly.driver.reports
+    assert cluster.transport.hits == [1, 3]
+    assert [r.samples for r in reports] == [16, 16]
+    assert sum(r.duplicates for r in reports) == 0
+    assert cluster.checks > 5
+    for scheduler in cluster.assembly.schedulers.values():
+        assert scheduler.core.ledger.counts()["done"] == 2 * 16
 
 
 def test_a_controller_killed_between_shifts_is_restarted_and_the_run_completes(tmp_path):
