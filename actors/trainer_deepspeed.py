@@ -143,7 +143,8 @@ def deepspeed_config(settings: TrainingSettings) -> dict[str, Any]:
 
 class DeepSpeedTrainer:
     """``TrainingEngine`` on one rank of an initialised gloo group (every rank makes the same
-    calls). Loads a Hugging Face Qwen2 checkpoint folder; trains in fp32."""
+    calls). Loads whatever Hugging Face causal-LM folder ``AutoModelForCausalLM`` loads; trains
+    in fp32."""
 
     def __init__(
         self,
@@ -153,7 +154,7 @@ class DeepSpeedTrainer:
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         import torch.distributed as dist
-        from transformers import Qwen2Config, Qwen2ForCausalLM
+        from transformers import AutoConfig
 
         if not dist.is_initialized():
             raise RuntimeError("DeepSpeedTrainer needs torch.distributed: init_process_group first")
@@ -166,7 +167,8 @@ class DeepSpeedTrainer:
         self._deepspeed = deepspeed
         deepspeed.init_distributed(dist_backend="gloo")
 
-        config = Qwen2Config.from_pretrained(self.checkpoint)
+        config = AutoConfig.from_pretrained(self.checkpoint)
+        model_class = _causal_lm_class(config)
         config.use_cache = False
         self.config = config
         self.pad_id = config.pad_token_id if config.pad_token_id is not None else 0
@@ -176,11 +178,11 @@ class DeepSpeedTrainer:
             # built partitioned, without Hugging Face's weight init (it indexes into
             # parameters that are empty on this rank); the checkpoint's weights come next
             with deepspeed.zero.Init(config_dict_or_path=ds_config), _no_init_weights():
-                model = Qwen2ForCausalLM(config)
+                model = model_class(config)
             model.tie_weights()
             self._load_partitioned(model)
         else:
-            model = Qwen2ForCausalLM.from_pretrained(
+            model = model_class.from_pretrained(
                 self.checkpoint, config=config, dtype=torch.float32
             )
         model.train()
@@ -194,7 +196,7 @@ class DeepSpeedTrainer:
         self._reference = None
         if settings.kl_coef > 0.0:
             # a frozen whole copy on every rank: fine for the policies pivot trains on CPU
-            self._reference = Qwen2ForCausalLM.from_pretrained(
+            self._reference = model_class.from_pretrained(
                 self.checkpoint, config=config, dtype=torch.float32
             ).eval()
             self._reference.requires_grad_(False)
@@ -338,6 +340,20 @@ def fingerprint(tensors: Mapping[str, torch.Tensor]) -> str:
         digest.update(str(t.dtype).encode())
         digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return digest.hexdigest()
+
+
+def _causal_lm_class(config: Any) -> Any:
+    """The causal-LM class ``AutoModelForCausalLM`` would build for ``config``, by the
+    architecture the checkpoint names: importing transformers' auto-model mapping loads
+    torch._dynamo, whose Tensor polyfills break DeepSpeed's zero.Init at ZeRO-3."""
+    import transformers
+
+    for name in config.architectures or ():
+        if name.endswith("ForCausalLM") and hasattr(transformers, name):
+            return getattr(transformers, name)
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING  # a checkpoint that names none
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
 
 
 def _no_init_weights():

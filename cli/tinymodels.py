@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from pivot import task
 from pivot.engines.protocol import SamplingParams
 from pivot.engines.tokenizer import ALPHABET, TextCodec, build_tokenizer, save_pretrained
-from pivot.engines.torch_engine import Qwen2Spec, TorchEngine, generate
+from pivot.engines.torch_engine import DecoderSpec, TorchEngine, generate
 
 # (prompt ids, target ids, loss weight per target token)
 Example = tuple[list[int], list[int], list[float]]
@@ -290,7 +290,7 @@ def sft(
 
 
 def _engine_for(model, max_running: int) -> TorchEngine:
-    spec = Qwen2Spec.from_config(model.config.to_dict(), source="in-memory config")
+    spec = DecoderSpec.from_config(model.config.to_dict(), source="in-memory config")
     engine = TorchEngine(spec, max_running=max_running)
     engine.load_weights(model.state_dict(), version=0)
     return engine
@@ -330,7 +330,7 @@ def make_models(
     # policy: SFT until the sampled accuracy first reaches the target
     policy = Qwen2ForCausalLM(model_config(codec, hidden=128, layers=4, intermediate=384))
     policy_engine = TorchEngine(
-        Qwen2Spec.from_config(policy.config.to_dict()),
+        DecoderSpec.from_config(policy.config.to_dict()),
         max_running=max(eval_size, 8 * genrm_batch),  # one wave per refill of the pool below
     )
     history: list[dict] = []
@@ -366,7 +366,7 @@ def make_models(
     # GenRM: judgments of right, near-miss, malformed and weak-policy responses
     genrm = Qwen2ForCausalLM(model_config(codec, hidden=128, layers=4, intermediate=384))
     genrm_engine = TorchEngine(
-        Qwen2Spec.from_config(genrm.config.to_dict()), max_running=3 * eval_size
+        DecoderSpec.from_config(genrm.config.to_dict()), max_running=3 * eval_size
     )
     genrm_items = genrm_eval_items(policy_engine, codec, eval_problems, seed=EVAL_SEED)
     pool: list[tuple[task.Problem, str]] = []

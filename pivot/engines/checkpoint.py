@@ -1,9 +1,9 @@
 """Hugging Face checkpoint folders as pivot's engines read them, without torch: the parts of
-config.json the forward needs (``Qwen2Spec``), validated with errors that name the file, the
+config.json the forward needs (``DecoderSpec``), validated with errors that name the file, the
 key, what is supported and what was found, and the safetensors files that hold the weights.
 ``pivot run`` checks every model folder this way before any child process starts.
 
-    inspect_checkpoint(folder) -> (Qwen2Spec, [weight files])    raises CheckpointError
+    inspect_checkpoint(folder) -> (DecoderSpec, [weight files])    raises CheckpointError
 """
 
 from __future__ import annotations
@@ -15,14 +15,20 @@ import msgspec
 
 from pivot.config import ConfigError
 
+#: The decoder families pivot's engine serves itself (``DecoderSpec``).
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
 
 class CheckpointError(ConfigError):
     """A checkpoint folder pivot cannot serve: the file, the key, what is supported and what
     was found, as a config error says them (``str()`` is the one line to show)."""
 
 
-class Qwen2Spec(msgspec.Struct, frozen=True, kw_only=True):
-    """The parts of a Qwen2 config.json the forward needs."""
+class DecoderSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """The parts of a config.json the forward of a Llama-shaped decoder needs: pre-norm
+    blocks of rotary attention (grouped heads) and a SiLU-gated MLP, RMSNorm throughout. The
+    families differ in what the attention carries: Qwen2 biases its q/k/v projections, Qwen3
+    normalises each head's q and k (``qk_norm``), Llama and Mistral have neither."""
 
     vocab_size: int
     hidden_size: int
@@ -36,11 +42,14 @@ class Qwen2Spec(msgspec.Struct, frozen=True, kw_only=True):
     max_position_embeddings: int
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
+    model_type: str = "qwen2"
+    attention_bias: bool = True
+    qk_norm: bool = False
 
     @classmethod
-    def from_config(cls, config: dict, source: str = "config.json") -> Qwen2Spec:
-        """Validate a Qwen2 config dict; unsupported features get a ``CheckpointError``
-        naming the file, the key, what pivot supports and what was found."""
+    def from_config(cls, config: dict, source: str = "config.json") -> DecoderSpec:
+        """Validate a config dict of one of the ``FAMILIES``; unsupported features get a
+        ``CheckpointError`` naming the file, the key, what pivot supports and what was found."""
 
         def need(key: str, kind: type = int):
             if key not in config or config[key] is None:
@@ -51,9 +60,23 @@ class Qwen2Spec(msgspec.Struct, frozen=True, kw_only=True):
             return value
 
         model_type = config.get("model_type")
-        if model_type != "qwen2":
+        if model_type not in FAMILIES:
             raise CheckpointError(
-                source, "model_type", "'qwen2' (the family pivot's engine serves)", repr(model_type)
+                source,
+                "model_type",
+                f"one of {', '.join(map(repr, FAMILIES))} (the families pivot's engine serves)",
+                repr(model_type),
+            )
+        if config.get("mlp_bias"):
+            raise CheckpointError(source, "mlp_bias", "false (no MLP biases)", "true")
+        window = config.get("sliding_window")
+        if (
+            model_type == "mistral"
+            and window is not None
+            and window < need("max_position_embeddings")
+        ):
+            raise CheckpointError(
+                source, "sliding_window", "none, or at least max_position_embeddings", repr(window)
             )
         act = config.get("hidden_act", "silu")
         if act != "silu":
@@ -96,11 +119,16 @@ class Qwen2Spec(msgspec.Struct, frozen=True, kw_only=True):
             max_position_embeddings=need("max_position_embeddings"),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             eos_token_ids=eos_ids,
+            model_type=model_type,
+            # Qwen2 always biases q/k/v; the others only when their config says so
+            attention_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
         )
 
 
-def inspect_checkpoint(path: str | Path) -> tuple[Qwen2Spec, list[Path]]:
-    """The spec of a Hugging Face Qwen2 checkpoint folder and the files of its weights.
+def inspect_checkpoint(path: str | Path) -> tuple[DecoderSpec, list[Path]]:
+    """The spec of a Hugging Face checkpoint folder of one of the ``FAMILIES`` and the files of
+    its weights.
 
     Reads config.json (eos from generation_config.json when config.json has none) and finds
     model.safetensors or the shards listed in model.safetensors.index.json.
@@ -120,7 +148,7 @@ def inspect_checkpoint(path: str | Path) -> tuple[Qwen2Spec, list[Path]]:
     gen_path = folder / "generation_config.json"
     if config.get("eos_token_id") is None and gen_path.is_file():
         config["eos_token_id"] = json.loads(gen_path.read_text()).get("eos_token_id")
-    spec = Qwen2Spec.from_config(config, source=str(config_path))
+    spec = DecoderSpec.from_config(config, source=str(config_path))
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))

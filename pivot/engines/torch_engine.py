@@ -1,8 +1,10 @@
-"""The torch inference backend (CPU): a pure-torch Qwen2 forward with a preallocated KV cache
-and continuous batching, behind the ``pivot.engines.protocol.InferenceEngine`` protocol.
+"""The torch inference backend (CPU): a pure-torch forward of the Llama-shaped decoders
+(Llama, Mistral, Qwen2, Qwen3; ``pivot.engines.checkpoint.DecoderSpec``) with a preallocated
+KV cache and continuous batching, behind the ``pivot.engines.protocol.InferenceEngine``
+protocol.
 
 It reads a Hugging Face checkpoint folder itself (config.json + safetensors), so a user's
-local Qwen2 checkpoint and the project's tiny models take the same path, without importing
+local checkpoint and the project's tiny models take the same path, without importing
 transformers. A plain decode loop over a static cache beats HF ``generate`` where per-step
 overhead dominates: ~3x on a 2-layer, hidden-64 Qwen2 (reference/platform-notes.md §4),
 ~1.7x at batch 16 on the 4-layer tiny policy, about even at batch 64 where the matmuls and
@@ -30,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from pivot.engines.checkpoint import Qwen2Spec, inspect_checkpoint
+from pivot.engines.checkpoint import DecoderSpec, inspect_checkpoint
 from pivot.engines.context import RoleContext
 from pivot.engines.protocol import (
     ContextKind,
@@ -51,8 +53,8 @@ _MASK64 = (1 << 64) - 1
 _EMA = 0.1  # weight of the newest step in the mean step latency
 
 
-def read_checkpoint(path: str | Path) -> tuple[Qwen2Spec, dict[str, torch.Tensor]]:
-    """The spec and the tensors of a Hugging Face Qwen2 checkpoint folder (see
+def read_checkpoint(path: str | Path) -> tuple[DecoderSpec, dict[str, torch.Tensor]]:
+    """The spec and the tensors of a Hugging Face decoder checkpoint folder (see
     ``pivot.engines.checkpoint``: model.safetensors or the shards its index lists)."""
     spec, files = inspect_checkpoint(path)
     tensors: dict[str, torch.Tensor] = {}
@@ -72,7 +74,9 @@ def _seed_at(seed: int, position: int) -> int:
 @dataclass
 class _Layer:
     qkv_w: torch.Tensor
-    qkv_b: torch.Tensor
+    qkv_b: torch.Tensor | None  # Qwen2's q/k/v biases
+    q_norm: torch.Tensor | None  # Qwen3's per-head RMSNorm of q and k
+    k_norm: torch.Tensor | None
     o_w: torch.Tensor
     gate_up_w: torch.Tensor
     down_w: torch.Tensor
@@ -103,7 +107,8 @@ class _Weights:
 
 
 class TorchEngine:
-    """A Qwen2 inference engine on torch (CPU), continuous batching over a static KV cache.
+    """An inference engine for the Llama-shaped decoders (``DecoderSpec``: Llama, Mistral,
+    Qwen2, Qwen3) on torch (CPU), continuous batching over a static KV cache.
 
     ``threads`` sets torch's intra-op threads (process-wide: the job pins one per device).
     ``clock`` (seconds, monotonic) measures step latency; without one latencies read 0.
@@ -112,7 +117,7 @@ class TorchEngine:
 
     def __init__(
         self,
-        spec: Qwen2Spec,
+        spec: DecoderSpec,
         tensors: NamedTensors | None = None,
         *,
         max_running: int = 64,
@@ -176,7 +181,7 @@ class TorchEngine:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **kwargs) -> TorchEngine:
-        """An engine serving the Hugging Face Qwen2 checkpoint in folder ``path``."""
+        """An engine serving the Hugging Face checkpoint in folder ``path``."""
         spec, tensors = read_checkpoint(path)
         return cls(spec, tensors, **kwargs)
 
@@ -199,7 +204,9 @@ class TorchEngine:
         for i in range(s.num_hidden_layers):
             layer = _Layer(
                 qkv_w=zeros(q + 2 * kv, s.hidden_size),
-                qkv_b=zeros(q + 2 * kv),
+                qkv_b=zeros(q + 2 * kv) if s.attention_bias else None,
+                q_norm=zeros(s.head_dim) if s.qk_norm else None,
+                k_norm=zeros(s.head_dim) if s.qk_norm else None,
                 o_w=zeros(s.hidden_size, q),
                 gate_up_w=zeros(2 * s.intermediate_size, s.hidden_size),
                 down_w=zeros(s.hidden_size, s.intermediate_size),
@@ -211,7 +218,11 @@ class TorchEngine:
             bounds = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}
             for name, (lo, hi) in bounds.items():
                 w.views[f"{p}self_attn.{name}_proj.weight"] = layer.qkv_w[lo:hi]
-                w.views[f"{p}self_attn.{name}_proj.bias"] = layer.qkv_b[lo:hi]
+                if layer.qkv_b is not None:
+                    w.views[f"{p}self_attn.{name}_proj.bias"] = layer.qkv_b[lo:hi]
+            if layer.q_norm is not None and layer.k_norm is not None:
+                w.views[f"{p}self_attn.q_norm.weight"] = layer.q_norm
+                w.views[f"{p}self_attn.k_norm.weight"] = layer.k_norm
             w.views[f"{p}self_attn.o_proj.weight"] = layer.o_w
             w.views[f"{p}mlp.gate_proj.weight"] = layer.gate_up_w[: s.intermediate_size]
             w.views[f"{p}mlp.up_proj.weight"] = layer.gate_up_w[s.intermediate_size :]
@@ -280,7 +291,7 @@ class TorchEngine:
         if unknown:
             raise ValueError(
                 f"load_weights: unknown parameter names {unknown[:5]}"
-                f"{' ...' if len(unknown) > 5 else ''} (expected Hugging Face Qwen2 names "
+                f"{' ...' if len(unknown) > 5 else ''} (expected Hugging Face decoder names "
                 f"such as 'model.layers.0.self_attn.q_proj.weight')"
             )
         with torch.no_grad():
@@ -548,9 +559,13 @@ class TorchEngine:
         x = F.rms_norm(h, (s.hidden_size,), layer.ln_attn, s.rms_norm_eps)
         qkv = F.linear(x, layer.qkv_w, layer.qkv_b)
         qd, kd = s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
-        q = qkv[..., :qd].view(b, t, s.num_attention_heads, s.head_dim).transpose(1, 2)
-        k = qkv[..., qd : qd + kd].view(b, t, s.num_key_value_heads, s.head_dim).transpose(1, 2)
+        q = qkv[..., :qd].view(b, t, s.num_attention_heads, s.head_dim)
+        k = qkv[..., qd : qd + kd].view(b, t, s.num_key_value_heads, s.head_dim)
         v = qkv[..., qd + kd :].view(b, t, s.num_key_value_heads, s.head_dim).transpose(1, 2)
+        if layer.q_norm is not None:  # Qwen3: each head's q and k normalised before rotary
+            q = F.rms_norm(q, (s.head_dim,), layer.q_norm, s.rms_norm_eps)
+            k = F.rms_norm(k, (s.head_dim,), layer.k_norm, s.rms_norm_eps)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         return _rotate(q, cos, sin), _rotate(k, cos, sin), v
 
     def _finish_layer(self, h: torch.Tensor, attn: torch.Tensor, layer: _Layer) -> torch.Tensor:

@@ -47,10 +47,10 @@ def test_a_model_folder_pivot_cannot_serve_is_named_before_any_child_starts(tmp_
 
     from pivot.assets import ASSETS
 
-    llama = tmp_path / "llama"
-    shutil.copytree(ASSETS / "tiny-policy", llama)
-    config = json.loads((llama / "config.json").read_text())
-    (llama / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    gpt2 = tmp_path / "gpt2"
+    shutil.copytree(ASSETS / "tiny-policy", gpt2)
+    config = json.loads((gpt2 / "config.json").read_text())
+    (gpt2 / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
     bpe = tmp_path / "bpe"
     shutil.copytree(ASSETS / "tiny-policy", bpe)
     Tokenizer(models.BPE()).save(str(bpe / "tokenizer.json"))  # no pivot special tokens
@@ -58,7 +58,7 @@ def test_a_model_folder_pivot_cannot_serve_is_named_before_any_child_starts(tmp_
     shutil.copytree(ASSETS / "tiny-policy", unweighted)
     (unweighted / "model.safetensors").unlink()
     cases = [
-        (llama, f"{llama / 'config.json'}: key 'model_type': expected 'qwen2'", "found 'llama'"),
+        (gpt2, f"{gpt2 / 'config.json'}: key 'model_type': expected one of", "found 'gpt2'"),
         (bpe, f"{bpe / 'tokenizer.json'}: expected pivot's character tokenizer", "<pad>"),
         (unweighted, f"{unweighted}: expected model.safetensors", "found neither"),
     ]

@@ -27,9 +27,9 @@ def tiny_qwen2(seed: int = 0):
     """A random 2-layer Qwen2 (hidden 32): its spec and its tensors, in checkpoint names."""
     import torch
 
-    from pivot.engines.torch_engine import Qwen2Spec
+    from pivot.engines.torch_engine import DecoderSpec
 
-    spec = Qwen2Spec(
+    spec = DecoderSpec(
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=48,

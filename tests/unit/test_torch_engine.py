@@ -12,7 +12,7 @@ from pivot.engines.protocol import (
     InferenceEngine,
     SamplingParams,
 )
-from pivot.engines.torch_engine import Qwen2Spec, TorchEngine, generate, read_checkpoint
+from pivot.engines.torch_engine import DecoderSpec, TorchEngine, generate, read_checkpoint
 
 VOCAB = 40
 EOS = 2
@@ -413,18 +413,28 @@ def test_spec_rejects_unsupported_configs():
         "num_key_value_heads": 1,
         "max_position_embeddings": 16,
     }
-    assert Qwen2Spec.from_config(base).rope_theta == 10000.0
-    assert Qwen2Spec.from_config({**base, "rope_theta": 5.0}).rope_theta == 5.0
-    with pytest.raises(ValueError, match="key 'model_type': expected 'qwen2'.*found 'llama'"):
-        Qwen2Spec.from_config({**base, "model_type": "llama"})
+    assert DecoderSpec.from_config(base).rope_theta == 10000.0
+    assert DecoderSpec.from_config({**base, "rope_theta": 5.0}).rope_theta == 5.0
+    with pytest.raises(ValueError, match="key 'model_type': expected one of 'llama'.*found 'gpt2'"):
+        DecoderSpec.from_config({**base, "model_type": "gpt2"})
+    with pytest.raises(ValueError, match="key 'mlp_bias'"):
+        DecoderSpec.from_config({**base, "model_type": "llama", "mlp_bias": True})
+    with pytest.raises(ValueError, match="key 'sliding_window'"):
+        DecoderSpec.from_config({**base, "model_type": "mistral", "sliding_window": 8})
+    # the families' attention: Qwen2 biases q/k/v, Qwen3 normalises q and k, Llama neither
+    assert DecoderSpec.from_config(base).attention_bias
+    llama = DecoderSpec.from_config({**base, "model_type": "llama"})
+    assert not llama.attention_bias and not llama.qk_norm
+    qwen3 = DecoderSpec.from_config({**base, "model_type": "qwen3"})
+    assert qwen3.qk_norm and not qwen3.attention_bias
     with pytest.raises(ValueError, match="key 'use_sliding_window'"):
-        Qwen2Spec.from_config({**base, "use_sliding_window": True})
+        DecoderSpec.from_config({**base, "use_sliding_window": True})
     with pytest.raises(ValueError, match="key 'rope_scaling'.*found 'yarn'"):
-        Qwen2Spec.from_config({**base, "rope_parameters": {"rope_type": "yarn"}})
+        DecoderSpec.from_config({**base, "rope_parameters": {"rope_type": "yarn"}})
     with pytest.raises(ValueError, match="key 'vocab_size': expected a value"):
-        Qwen2Spec.from_config({k: v for k, v in base.items() if k != "vocab_size"})
+        DecoderSpec.from_config({k: v for k, v in base.items() if k != "vocab_size"})
     with pytest.raises(ValueError, match="divisor of num_attention_heads"):
-        Qwen2Spec.from_config({**base, "num_key_value_heads": 3})
+        DecoderSpec.from_config({**base, "num_key_value_heads": 3})
 
 
 def test_threads_setting(folder):
