@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
@@ -150,20 +149,24 @@ class FaultyTransport(LocalTransport):
         return None
 
 
-class _CrashingJournal(Journal):
-    """Raises before writing its n-th record: the Controller dies mid-shift."""
+class _CrashingJournal:
+    """The journal a Controller was given, raising before its n-th record is written: the
+    Controller dies mid-shift. Everything else is the journal's own."""
 
-    def __init__(self, path: Path, *, type_: Any, fsync: bool, before: int) -> None:
-        super().__init__(path, type_=type_, fsync=fsync)
-        self.before = before
+    def __init__(self, inner: Journal, before: int) -> None:
+        self._inner = inner
+        self._before = before
 
     def append(self, record: Any) -> None:
-        if self.appended + 1 == self.before:
-            self.before = -1
+        if self._inner.appended + 1 == self._before:
+            self._before = -1
             raise InjectedCrash(
-                f"injected Controller crash before journal record {self.appended + 1}"
+                f"injected Controller crash before journal record {self._inner.appended + 1}"
             )
-        super().append(record)
+        self._inner.append(record)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
 
 
 class InvariantChecker:
@@ -307,7 +310,6 @@ class LocalCluster:
         # an actor that crashes stops the run (the Controller may restart, per its policy)
         self.supervisor = Supervisor(clock=clock, policy=RestartPolicy(restart="never"))
         self.journals: list[Journal] = []
-        self.checker: InvariantChecker | None = None
         driver = driver or DriverOptions()
         user_step = driver.on_step
 
@@ -336,7 +338,7 @@ class LocalCluster:
 
     @property
     def checks(self) -> int:
-        return self.checker.checks if self.checker is not None else 0
+        return self.checker.checks
 
     @property
     def restarts(self) -> int:
@@ -344,7 +346,6 @@ class LocalCluster:
         return self.supervisor.restarts(CONTROLLER)
 
     def check(self) -> None:
-        assert self.checker is not None
         self.checker.check()
 
     def _checked_control(
@@ -355,10 +356,10 @@ class LocalCluster:
 
         def journal() -> Journal:
             made = opened()
-            if crash is not None and not self.journals:
-                made.close()
-                made = _CrashingJournal(made.path, type_=made.type_, fsync=made.fsync, before=crash)
+            first = not self.journals
             self.journals.append(made)
+            if crash is not None and first:
+                return _CrashingJournal(made, crash)  # type: ignore[return-value]
             return made
 
         def wrap(policy: ShiftPolicy) -> ShiftPolicy:

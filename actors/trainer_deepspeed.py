@@ -182,9 +182,7 @@ class DeepSpeedTrainer:
             model.tie_weights()
             self._load_partitioned(model)
         else:
-            model = model_class.from_pretrained(
-                self.checkpoint, config=config, dtype=torch.float32
-            )
+            model = model_class.from_pretrained(self.checkpoint, config=config, dtype=torch.float32)
         model.train()
         scheduler = functools.partial(_warmup_scheduler, warmup_steps=settings.warmup_steps)
         self.engine, *_ = deepspeed.initialize(

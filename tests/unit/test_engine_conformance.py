@@ -1,6 +1,7 @@
-"""The engine conformance suite against every engine pivot ships (torch on a tiny random Qwen2,
-the simulated engine in each of its output modes, the scripted engine), and against engines
-broken on purpose, which it must catch."""
+"""The engine conformance suite against the simulated engine in each of its output modes and
+the scripted engine (the torch engine runs it once per decoder family, on checkpoints saved by
+transformers: test_decoder_families.py), and against engines broken on purpose, which it must
+catch."""
 
 from __future__ import annotations
 
@@ -19,66 +20,6 @@ from pivot.engines.protocol import PartialOutput, SamplingParams
 from pivot.engines.scripted import ScriptedEngine
 from pivot.engines.sim_engine import SimInferenceEngine
 from pivot.planning.cost import CostModel
-
-VOCAB = 40
-
-
-def tiny_qwen2(seed: int = 0):
-    """A random 2-layer Qwen2 (hidden 32): its spec and its tensors, in checkpoint names."""
-    import torch
-
-    from pivot.engines.torch_engine import DecoderSpec
-
-    spec = DecoderSpec(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        eos_token_ids=(2,),
-    )
-    g = torch.Generator().manual_seed(seed)
-    h, i, q, kv = 32, 48, 4 * 8, 2 * 8
-
-    def rand(*shape: int) -> torch.Tensor:
-        # wide weights give peaky logits: no near-ties for float reordering to flip
-        return torch.randn(*shape, generator=g) * 0.3
-
-    tensors = {
-        "model.embed_tokens.weight": rand(VOCAB, h),
-        "model.norm.weight": 1.0 + rand(h),
-        "lm_head.weight": rand(VOCAB, h),
-    }
-    for layer in range(spec.num_hidden_layers):
-        p = f"model.layers.{layer}."
-        for name, rows in (("q", q), ("k", kv), ("v", kv)):
-            tensors[f"{p}self_attn.{name}_proj.weight"] = rand(rows, h)
-            tensors[f"{p}self_attn.{name}_proj.bias"] = rand(rows)
-        tensors[f"{p}self_attn.o_proj.weight"] = rand(h, q)
-        tensors[f"{p}mlp.gate_proj.weight"] = rand(i, h)
-        tensors[f"{p}mlp.up_proj.weight"] = rand(i, h)
-        tensors[f"{p}mlp.down_proj.weight"] = rand(h, i)
-        tensors[f"{p}input_layernorm.weight"] = 1.0 + rand(h)
-        tensors[f"{p}post_attention_layernorm.weight"] = 1.0 + rand(h)
-    return spec, tensors
-
-
-def torch_factory() -> EngineFactory:
-    from pivot.engines.torch_engine import TorchEngine
-
-    spec, tensors = tiny_qwen2()
-    return EngineFactory(
-        name="torch",
-        make=lambda: TorchEngine(spec, tensors, max_running=4, max_seq_len=32, seed=1),
-        weights=lambda: tensors,
-    )
-
 
 HAND = CostModel(a=0.001, b=0.01, c=0.004, d=0.002)
 
@@ -113,7 +54,6 @@ def scripted_factory(engine: type[ScriptedEngine] = ScriptedEngine, **kw) -> Eng
 @pytest.mark.parametrize(
     "factory",
     [
-        torch_factory,
         sim_factory,
         lambda: sim_factory(placeholders=True),
         lambda: sim_factory(token_events=False),
@@ -125,7 +65,6 @@ def scripted_factory(engine: type[ScriptedEngine] = ScriptedEngine, **kw) -> Eng
         ),
     ],
     ids=[
-        "torch",
         "sim",
         "sim-placeholders",
         "sim-no-events",
