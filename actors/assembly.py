@@ -144,7 +144,8 @@ class DriverOptions:
     synchronous). ``announce_batches``: tell the Controller a batch is ready before asking
     the trainer (a real job: its Controller reclaims the pool now, not at its next tick).
     ``wait_for_controller``: step 0 starts once the Controller has recovered and lent the idle
-    trainer pool (a real job, whose processes start at their own pace)."""
+    trainer pool (a real job, whose processes start at their own pace). ``evaluation``: a
+    source run (never trained on) after every ``eval_every``-th step and the last."""
 
     staleness: int = 0
     on_step: Callable[[StepReport], None] | None = None
@@ -152,6 +153,8 @@ class DriverOptions:
     wait_for_controller: bool = False
     request_timeout: float = 30.0
     train_timeout: float = 600.0
+    evaluation: Source | None = None
+    eval_every: int = 0
 
 
 @dataclass(frozen=True)
@@ -272,6 +275,8 @@ def assemble(
         rollout_scheduler=schedulers[Role.ROLLOUT],
         reward_scheduler=schedulers.get(Role.REWARD),
         trainer=TRAINER,
+        evaluation=driver.evaluation,
+        eval_every=driver.eval_every,
         on_step=driver.on_step,
         # step timings mean something once rollout serves (every agent in this process, or
         # supervised, has registered before the driver starts anyway)

@@ -5,7 +5,12 @@ rollout scheduler, streams every finished response to the reward scheduler as a 
 sequence the moment it arrives (so judging overlaps rollout's long tail), turns each
 judgment into a score, and once the whole batch is scored asks the trainer for a step; the
 new policy version then tags later steps' sequences. Without a GenRM the source's exact
-checker scores responses; without a trainer the policy stays fixed.
+checker scores responses; without a trainer the policy stays fixed. A sample whose reward
+failed is counted in the step's ``Scores`` and left out of its mean and of training.
+
+With an ``evaluation`` source, after every ``eval_every``-th step (and the last) the Driver
+runs that source's whole batch through the same schedulers, scores it, and reports it in that
+step's ``eval``; it is never trained on, and its time is not the step's.
 
 ``staleness`` bounds how far rollout may run ahead of training (asynchronous RL, as the
 paper's launchers run every deployment but the colocated one; paper-notes 2.7). With 0 (the
@@ -17,7 +22,7 @@ in order. Step reports' ``seconds`` run from submission to trained; steps may ov
 run lasts from the first step's start to the last step's end, not the sum.
 
     Driver(name, bus, *, source, steps, rollout_scheduler, reward_scheduler=None,
-           trainer=None, staleness=0, on_step=None, replicas=None, on_batch_ready=None,
+           trainer=None, evaluation=None, eval_every=0, staleness=0, on_step=None, replicas=None, on_batch_ready=None,
            before_first_step=None, startup_timeout=300.0, request_timeout=30.0,
            train_timeout=600.0)
         .reports, .finished (asyncio.Event), .policy_version
@@ -43,14 +48,56 @@ from pivot.actors.sources import Sample, Source
 from pivot.bus import Actor, Bus, handles
 
 
+class Scores(msgspec.Struct, frozen=True, kw_only=True):
+    """How a batch's samples were scored."""
+
+    samples: int
+    reward_mean: float | None  # over the samples scored (None: every reward failed)
+    accuracy: float | None  # the checker's, for reference (None: the job has no checker)
+    genrm_agreement: float | None  # share of GenRM scores equal to the checker's verdict
+    reward_failures: int  # samples whose reward failed: out of the mean and of training
+    failures_by_cause: dict[str, int]
+    reward_metrics: dict[str, float]  # means of a reward function's extra numbers
+
+    @classmethod
+    def of(cls, samples: list[Sample]) -> Scores:
+        scored = [s for s in samples if s.score is not None]
+        checked = [s for s in samples if s.correct is not None]
+        judged = [s for s in checked if s.judgment is not None and s.score is not None]
+        causes: dict[str, int] = {}
+        for s in samples:
+            if s.failure is not None:
+                causes[s.failure] = causes.get(s.failure, 0) + 1
+        totals: dict[str, list[float]] = {}
+        for s in scored:
+            for k, v in s.metrics.items():
+                totals.setdefault(k, []).append(v)
+        return cls(
+            samples=len(samples),
+            reward_mean=sum(s.score for s in scored) / len(scored) if scored else None,
+            accuracy=sum(bool(s.correct) for s in checked) / len(checked) if checked else None,
+            genrm_agreement=(
+                sum((s.score == 1.0) == s.correct for s in judged) / len(judged) if judged else None
+            ),
+            reward_failures=sum(causes.values()),
+            failures_by_cause=dict(sorted(causes.items())),
+            reward_metrics={k: sum(v) / len(v) for k, v in sorted(totals.items())},
+        )
+
+
+class EvalReport(msgspec.Struct, frozen=True, kw_only=True):
+    """The evaluation set, generated and scored with the policy of ``policy_version``."""
+
+    policy_version: int
+    seconds: float
+    scores: Scores
+
+
 class StepReport(msgspec.Struct, frozen=True, kw_only=True):
     step: int
     policy_version: int  # of the sequences of this step
     samples: int
-    reward_mean: float  # what training sees: GenRM scores, or exact checks without a GenRM
-    accuracy: float | None  # the exact checker, for reference (None: the source has none)
-    genrm_agreement: float | None  # share of judgments equal to the exact check
-    malformed_judgments: int
+    scores: Scores
     response_tokens: int
     judgment_tokens: int
     started_s: float  # on the driver's clock
@@ -61,7 +108,8 @@ class StepReport(msgspec.Struct, frozen=True, kw_only=True):
     tokens_per_s: float
     rollout_by_replica: dict[str, int]
     reward_by_replica: dict[str, int]
-    train: dict | None = None  # the trainer's statistics of this step
+    train: dict | None = None  # the trainer's statistics of this step (None: not trained)
+    eval: EvalReport | None = None  # the evaluation run after this step, when one was due
     # deliveries of this step's responses or judgments after the first (ignored; a healthy
     # run has none: each sequence is owned by one replica at a time)
     duplicates: int = 0
@@ -70,8 +118,9 @@ class StepReport(msgspec.Struct, frozen=True, kw_only=True):
 class _Batch:
     """One step's sequences from submission to training."""
 
-    def __init__(self, step: int) -> None:
+    def __init__(self, step: int, source: Source) -> None:
         self.step = step
+        self.source = source
         self.version = 0  # the policy version its sequences were submitted with
         self.samples: dict[int, Sample] = {}
         self.responses = 0
@@ -93,6 +142,8 @@ class Driver(Actor):
         rollout_scheduler: str,
         reward_scheduler: str | None = None,
         trainer: str | None = None,
+        evaluation: Source | None = None,
+        eval_every: int = 0,
         staleness: int = 0,
         on_step: Callable[[StepReport], None] | None = None,
         replicas: dict[str, int] | None = None,
@@ -113,6 +164,9 @@ class Driver(Actor):
         self.rollout_scheduler = rollout_scheduler
         self.reward_scheduler = reward_scheduler
         self.trainer = trainer
+        # the evaluation set runs after every ``eval_every``-th step and after the last
+        self.evaluation = evaluation if eval_every else None
+        self.eval_every = eval_every
         self.on_step = on_step
         self.replicas = replicas or {rollout_scheduler: 1}
         self.startup_timeout = startup_timeout
@@ -125,7 +179,8 @@ class Driver(Actor):
         self.policy_version = 0
         self.reports: list[StepReport] = []
         self.finished = asyncio.Event()
-        self._batches = [_Batch(k) for k in range(steps)]
+        self._batches = [_Batch(k, source) for k in range(steps)]
+        self._eval_batch: _Batch | None = None  # the evaluation in flight
         self._owner: dict[int, _Batch] = {}  # sequence -> its batch, until the batch trained
         self._submitted = 0
         self._trained = 0  # steps done (trained, with a trainer)
@@ -167,9 +222,9 @@ class Driver(Actor):
             sample.response = c
             batch.responses += 1
             batch.last_response_at = now
-            sample.correct = self.source.check(sample)
-            if self.source.judged:
-                judge.append(self.source.judge(sample))
+            sample.correct = batch.source.check(sample)
+            if batch.source.judged:
+                judge.append(batch.source.judge(sample))
             else:
                 self._score(batch, sample)
         if judge:
@@ -192,17 +247,27 @@ class Driver(Actor):
             self._score(batch, sample)
 
     def _score(self, batch: _Batch, sample: Sample) -> None:
-        if sample.score is None:
-            sample.score = self.source.score(sample)
-            batch.scored += 1
-            if batch.scored == len(batch.samples):
-                batch.done.set()
+        pending = batch.source.score(sample)
+        if pending is None:
+            self._scored(batch)
+        else:
+            self.spawn(self._await_score(batch, pending), name=f"score-{sample.seq_id}")
+
+    async def _await_score(self, batch: _Batch, pending: Awaitable[None]) -> None:
+        await pending
+        self._scored(batch)
+
+    def _scored(self, batch: _Batch) -> None:
+        batch.scored += 1
+        if batch.scored == len(batch.samples):
+            batch.done.set()
 
     def oldest_open_stage(self) -> str | None:
         """The stage the oldest batch not yet scored is in: what a time-multiplexed pool
         should serve next. None when every submitted batch is scored."""
-        for batch in self._batches[: self._submitted]:
-            if batch.done.is_set():
+        open_ = [*self._batches[: self._submitted], self._eval_batch]
+        for batch in open_:
+            if batch is None or batch.done.is_set():
                 continue
             return "rollout" if batch.responses < len(batch.samples) else "reward"
         return None
@@ -238,20 +303,26 @@ class Driver(Actor):
             await batch.done.wait()
             scored_at = self.clock.now()
             train = None
-            if self.trainer is not None:
+            request = self.source.train_request(batch.step, list(batch.samples.values()))
+            if request is None:
+                self.log.warning(
+                    "no sample of the step can train: every reward failed", step=batch.step
+                )
+            if self.trainer is not None and request is not None:
                 if self.on_batch_ready is not None:
                     await self.on_batch_ready()
-                reply = await self.request(
-                    self.trainer,
-                    self.source.train_request(batch.step, list(batch.samples.values())),
-                    timeout=self.train_timeout,
-                )
+                reply = await self.request(self.trainer, request, timeout=self.train_timeout)
                 stats = getattr(reply, "stats", reply)
                 train = msgspec.to_builtins(stats)
                 self.policy_version = int(getattr(stats, "version", 0))
-            report = self._report(batch, scored_at, train)
-            for seq_id in batch.samples:
-                self._owner.pop(seq_id, None)
+            trained_at = self.clock.now()
+            self._release(batch)
+            evaluation = None
+            if self.evaluation is not None and (
+                (batch.step + 1) % self.eval_every == 0 or batch.step == self.steps - 1
+            ):
+                evaluation = await self._evaluate(batch.step)
+            report = self._report(batch, scored_at, trained_at, train, evaluation)
             batch.samples = {}
             self._trained += 1
             self._progress.set()
@@ -268,29 +339,50 @@ class Driver(Actor):
                 await self._progress.wait()
             await self._submit(batch)
 
-    async def _submit(self, batch: _Batch) -> None:
+    def _release(self, batch: _Batch) -> None:
+        for seq_id in batch.samples:
+            self._owner.pop(seq_id, None)
+
+    async def _evaluate(self, step: int) -> EvalReport:
+        """The evaluation set through rollout (and the GenRM), scored, never trained on."""
+        batch = self._eval_batch = _Batch(step, self.evaluation)
+        await self._submit(batch, count=False)
+        await batch.done.wait()
+        self._release(batch)
+        self._eval_batch = None
+        return EvalReport(
+            policy_version=batch.version,
+            seconds=self.clock.now() - batch.started,
+            scores=Scores.of(list(batch.samples.values())),
+        )
+
+    async def _submit(self, batch: _Batch, *, count: bool = True) -> None:
         batch.version = self.policy_version
-        pairs = self.source.batch(batch.step, batch.version)
+        pairs = batch.source.batch(batch.step, batch.version)
         batch.samples = {sample.seq_id: sample for sample, _ in pairs}
         for seq_id in batch.samples:
             self._owner[seq_id] = batch
         batch.started = self.clock.now()
-        self._submitted += 1
+        self._submitted += count
         await self.request(
             self.rollout_scheduler,
             SubmitSequences(sequences=[work for _, work in pairs]),
             timeout=self.request_timeout,
         )
 
-    def _report(self, batch: _Batch, scored_at: float, train: dict | None) -> StepReport:
+    def _report(
+        self,
+        batch: _Batch,
+        scored_at: float,
+        end: float,
+        train: dict | None,
+        evaluation: EvalReport | None,
+    ) -> StepReport:
         samples = list(batch.samples.values())
         n = len(samples)
-        end = self.clock.now()
         seconds = max(end - batch.started, 1e-9)
         response_tokens = sum(len(s.response.token_ids) for s in samples if s.response)
         judgment_tokens = sum(len(s.judgment.token_ids) for s in samples if s.judgment)
-        checked = [s for s in samples if s.correct is not None]
-        judged = [s for s in checked if s.judgment is not None]
         rollout_by: dict[str, int] = {}
         reward_by: dict[str, int] = {}
         for s in samples:
@@ -302,12 +394,7 @@ class Driver(Actor):
             step=batch.step,
             policy_version=batch.version,
             samples=n,
-            reward_mean=sum(s.score or 0.0 for s in samples) / n,
-            accuracy=sum(bool(s.correct) for s in checked) / len(checked) if checked else None,
-            genrm_agreement=(
-                sum((s.score == 1.0) == s.correct for s in judged) / len(judged) if judged else None
-            ),
-            malformed_judgments=sum(s.malformed for s in samples),
+            scores=Scores.of(samples),
             response_tokens=response_tokens,
             judgment_tokens=judgment_tokens,
             started_s=batch.started,
@@ -319,5 +406,6 @@ class Driver(Actor):
             rollout_by_replica=dict(sorted(rollout_by.items())),
             reward_by_replica=dict(sorted(reward_by.items())),
             train=train,
+            eval=evaluation,
             duplicates=batch.duplicates,
         )

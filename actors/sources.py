@@ -1,26 +1,34 @@
-"""Where a Driver's sequences come from and how they are judged: the real arithmetic task on
-tiny models (``TaskSource``), or a simulated workload whose lengths are drawn from a model
+"""Where a Driver's sequences come from and how they are scored: a job's prompts with its
+reward (``PromptSource``: a data file or the shipped arithmetic task; a reward function, a
+GenRM, or the exact checker), or a simulated workload whose lengths are drawn from a model
 group's distributions (``WorkloadSource``). The Driver's loop is the same for both.
+
+A sample whose reward fails (the function raised or timed out, the GenRM's judgment had no
+verdict, a value was not a number) gets ``failure`` set to its cause instead of a score: it
+is counted in the step's report, its cause logged, and it is left out of training, never
+scored 0 in silence.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+import asyncio
+import concurrent.futures
+import inspect
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 import msgspec
+import structlog
 
 from pivot.actors.messages import Completion, Placeholders, RLMessage, TokenIds, Work
 from pivot.actors.trainer_messages import SimTrainBatch, TrainBatch
+from pivot.data import Record
 from pivot.engines.protocol import SamplingParams
-from pivot.engines.tokenizer import TextCodec
-from pivot.task import (
-    JudgmentTally,
-    Problem,
-    genrm_prompt,
-    is_correct,
-    make_problems,
-    parse_judgment,
-)
+from pivot.prompts import JudgePrompt
+from pivot.rewards import RewardFailed, RewardInput, RewardResult, reward_result
+
+log = structlog.get_logger("pivot.rewards")
 
 
 class Sample(msgspec.Struct, kw_only=True):
@@ -32,8 +40,13 @@ class Sample(msgspec.Struct, kw_only=True):
     response: Completion | None = None
     judgment: Completion | None = None
     score: float | None = None
-    correct: bool | None = None  # the exact checker, when the source has one
-    malformed: bool = False  # the judgment had no readable verdict (scored 0)
+    correct: bool | None = None  # the checker's verdict, when the job has a checker
+    failure: str | None = None  # why the reward could not be had (then score is None)
+    metrics: dict[str, float] = {}  # a reward function's extra numbers
+
+    @property
+    def scored(self) -> bool:
+        return self.score is not None or self.failure is not None
 
 
 class Source(Protocol):
@@ -46,57 +59,156 @@ class Source(Protocol):
         ...
 
     def check(self, sample: Sample) -> bool | None:
-        """The exact checker's verdict on the response, if the source has one."""
+        """The checker's verdict on the response, if the source has a checker."""
         ...
 
-    def score(self, sample: Sample) -> float:
-        """The reward: from the judgment when judged, else from the exact check."""
+    def score(self, sample: Sample) -> Awaitable[None] | None:
+        """Set ``sample.score`` (or ``sample.failure``): at once, or by the awaitable returned."""
         ...
 
-    def train_request(self, step: int, samples: list[Sample]) -> RLMessage: ...
+    def train_request(self, step: int, samples: list[Sample]) -> RLMessage | None:
+        """The trainer's request for a step's scored samples; None when none can train."""
+        ...
 
 
-class TaskSource:
-    """The project's arithmetic task: problems from a seed, prompts x samples each.
+class FunctionReward:
+    """A user's reward function, called off the actors' event loop with a timeout: a sync
+    function in a thread pool, an async one on a loop of its own in one thread (so an HTTP
+    client it keeps stays on one loop). A call that times out is abandoned, not killed: a
+    function that hangs holds a pool thread."""
 
-    ``codec`` is the policy's tokenizer, ``judge_codec`` the GenRM's (default: the same): a
-    response reaches the GenRM as text, and its judging prompt is encoded, and its judgment
-    decoded, with the GenRM's own tokenizer."""
+    judged = False
+
+    def __init__(self, fn: Callable[[RewardInput], Any], *, timeout_s: float, workers: int = 8):
+        self.fn = fn
+        self.timeout_s = timeout_s
+        self.is_async = inspect.iscoroutinefunction(fn)
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="reward")
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _reward_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            threading.Thread(target=self._loop.run_forever, name="reward-loop", daemon=True).start()
+        return self._loop
+
+    async def __call__(self, sample: RewardInput) -> RewardResult:
+        if self.is_async:
+            future = asyncio.run_coroutine_threadsafe(self.fn(sample), self._reward_loop())
+            pending = asyncio.wrap_future(future)
+        else:
+            pending = asyncio.get_running_loop().run_in_executor(self._pool, self.fn, sample)
+        try:
+            value = await asyncio.wait_for(pending, self.timeout_s)
+        except TimeoutError:
+            raise RewardFailed("timeout", f"no result within {self.timeout_s:g} s") from None
+        except Exception as exc:
+            raise RewardFailed("exception", f"{type(exc).__name__}: {exc}") from None
+        return reward_result(value)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+
+
+class GenRMJudge:
+    """The GenRM's side of a reward: its prompt for a response, and the score its judgment
+    gives through the verdict parser (``None`` from the parser: no verdict)."""
+
+    judged = True
+
+    def __init__(
+        self, prompt: JudgePrompt, verdict: Callable[[str], Any], *, max_new_tokens: int
+    ) -> None:
+        self.prompt = prompt
+        self.verdict = verdict
+        self.max_new_tokens = max_new_tokens
+
+    def work(self, seq_id: int, record: Record, response: str) -> Work:
+        return Work(
+            seq_id=seq_id,
+            prompt_ids=self.prompt.ids(record, response),
+            sampling=SamplingParams(max_new_tokens=self.max_new_tokens, temperature=0.0),
+        )
+
+    def result(self, judgment_ids: TokenIds) -> RewardResult:
+        text = self.prompt.codec.decode(judgment_ids)
+        try:
+            value = self.verdict(text)
+        except Exception as exc:
+            detail = f"the verdict parser: {type(exc).__name__}: {exc}"
+            raise RewardFailed("exception", detail) from None
+        if value is None:
+            raise RewardFailed("unparseable judgment", repr(text[-80:]))
+        return reward_result(value, "the verdict parser")
+
+
+class _Open(msgspec.Struct):
+    """What a source remembers of a sequence until it is scored."""
+
+    record: Record
+    step: int
+    text: str | None = None
+    judge_ids: TokenIds | None = None
+
+
+class PromptSource:
+    """A job's prompts, ``samples_per_prompt`` sequences each, scored by its reward.
+
+    ``stream`` gives each step's records (``pivot.data.RecordStream``, or the arithmetic
+    task's ``pivot.task.AdditionStream``). ``reward`` is a ``FunctionReward``, a
+    ``GenRMJudge``, or None: the checker's verdict is the reward. ``checker`` (optional)
+    gives the accuracy and, with a GenRM, its agreement. ``codec`` is the policy's tokenizer:
+    a chat prompt is encoded with its chat template. ``id_base`` keeps the sequence ids of
+    two sources (training and evaluation) apart. ``sink``, when given, receives every
+    scored sample as a dict (the run's samples.jsonl).
+    """
 
     def __init__(
         self,
-        codec: TextCodec,
+        codec,  # noqa: ANN001 - pivot.engines.tokenizer.TextCodec
+        stream,  # noqa: ANN001 - .batch(step, n) -> [Record]
         *,
         seed: int,
         prompts_per_step: int,
         samples_per_prompt: int,
         sampling: SamplingParams,
-        judged: bool,
-        judgment_tokens: int = 24,
-        judge_codec: TextCodec | None = None,
+        reward: FunctionReward | GenRMJudge | None,
+        checker: Callable[[RewardInput], bool] | None = None,
+        id_base: int = 0,
+        sink: Callable[[dict], None] | None = None,
     ) -> None:
+        if reward is None and checker is None:
+            raise ValueError("without a reward the checker scores: give one")
         self.codec = codec
-        self.judge_codec = judge_codec or codec
+        self.stream = stream
         self.seed = seed
         self.prompts_per_step = prompts_per_step
         self.samples_per_prompt = samples_per_prompt
         self.sampling = sampling
-        self.judged = judged
-        self.judgment_tokens = judgment_tokens
-        self.tally = JudgmentTally()
+        self.reward = reward
+        self.checker = checker
+        self.judged = bool(getattr(reward, "judged", False))
+        self.id_base = id_base
+        self.sink = sink
         # per sequence until it is scored (a Driver with staleness has several batches out)
-        self._problems: dict[int, Problem] = {}
-        self._texts: dict[int, str] = {}
+        self._open: dict[int, _Open] = {}
+
+    def prompt_ids(self, record: Record) -> list[int]:
+        if record.chat:
+            return self.codec.encode_chat(record.prompt)
+        return self.codec.encode(record.prompt)
 
     def batch(self, step: int, policy_version: int) -> list[tuple[Sample, Work]]:
-        problems = make_problems(self.seed * 7919 + step, self.prompts_per_step)
+        records = self.stream.batch(step, self.prompts_per_step)
         out = []
-        for i, problem in enumerate(problems):
-            prompt_ids = self.codec.encode(problem.prompt)
-            group = step * len(problems) + i
+        for i, record in enumerate(records):
+            prompt_ids = self.prompt_ids(record)
+            group = step * len(records) + i
             for j in range(self.samples_per_prompt):
-                seq_id = group * self.samples_per_prompt + j
-                self._problems[seq_id] = problem
+                seq_id = self.id_base + group * self.samples_per_prompt + j
+                self._open[seq_id] = _Open(record=record, step=step)
                 sampling = msgspec.structs.replace(
                     self.sampling, seed=self.seed * 1_000_003 + seq_id
                 )
@@ -114,38 +226,109 @@ class TaskSource:
         return out
 
     def _text(self, sample: Sample) -> str:
-        text = self._texts.get(sample.seq_id)
-        if text is None:
+        open_ = self._open[sample.seq_id]
+        if open_.text is None:
             assert sample.response is not None
-            text = self._texts[sample.seq_id] = self.codec.decode(sample.response.token_ids)
-        return text
+            open_.text = self.codec.decode(sample.response.token_ids)
+        return open_.text
 
-    def check(self, sample: Sample) -> bool | None:
-        return is_correct(self._text(sample), self._problems[sample.seq_id].reference)
-
-    def judge(self, sample: Sample) -> Work:
-        problem = self._problems[sample.seq_id]
-        prompt = genrm_prompt(problem.prompt, self._text(sample), problem.reference)
-        return Work(
-            seq_id=sample.seq_id,
-            prompt_ids=self.judge_codec.encode(prompt),
-            sampling=SamplingParams(max_new_tokens=self.judgment_tokens, temperature=0.0),
+    def _input(self, sample: Sample) -> RewardInput:
+        record = self._open[sample.seq_id].record
+        return RewardInput(
+            prompt=record.prompt,
+            response=self._text(sample),
+            response_ids=list(sample.response.token_ids),
+            reference=record.reference,
+            metadata=record.metadata,
         )
 
-    def score(self, sample: Sample) -> float:
-        self._problems.pop(sample.seq_id, None)  # the last call about this sequence
-        self._texts.pop(sample.seq_id, None)
-        if not self.judged:
-            return float(bool(sample.correct))
-        assert sample.judgment is not None
-        text = self.judge_codec.decode(sample.judgment.token_ids)
-        judgment = self.tally.add(parse_judgment(text))
-        sample.malformed = judgment.malformed
-        return judgment.score
+    def check(self, sample: Sample) -> bool | None:
+        if self.checker is None:
+            return None
+        try:
+            return bool(self.checker(self._input(sample)))
+        except Exception as exc:
+            log.warning(
+                "checker failed", seq_id=sample.seq_id, error=f"{type(exc).__name__}: {exc}"
+            )
+            return None
 
-    def train_request(self, step: int, samples: list[Sample]) -> RLMessage:
+    def judge(self, sample: Sample) -> Work:
+        assert isinstance(self.reward, GenRMJudge)
+        open_ = self._open[sample.seq_id]
+        work = self.reward.work(sample.seq_id, open_.record, self._text(sample))
+        if self.sink is not None:
+            open_.judge_ids = work.prompt_ids
+        return work
+
+    def score(self, sample: Sample) -> Awaitable[None] | None:
+        if isinstance(self.reward, FunctionReward):
+            return self._score_function(sample)
+        try:
+            if self.reward is None:
+                if sample.correct is None:
+                    raise RewardFailed("exception", "the checker gave no verdict")
+                result = RewardResult(score=float(sample.correct))
+            else:
+                assert sample.judgment is not None
+                result = self.reward.result(sample.judgment.token_ids)
+        except RewardFailed as failed:
+            self._failed(sample, failed)
+        else:
+            self._scored(sample, result)
+        return None
+
+    async def _score_function(self, sample: Sample) -> None:
+        try:
+            result = await self.reward(self._input(sample))
+        except RewardFailed as failed:
+            self._failed(sample, failed)
+        else:
+            self._scored(sample, result)
+
+    def _scored(self, sample: Sample, result: RewardResult) -> None:
+        sample.score = result.score
+        sample.metrics = result.metrics
+        self._close(sample)
+
+    def _failed(self, sample: Sample, failed: RewardFailed) -> None:
+        sample.failure = failed.cause
+        log.warning("reward failed", seq_id=sample.seq_id, cause=failed.cause, detail=failed.detail)
+        self._close(sample)
+
+    def _close(self, sample: Sample) -> None:
+        open_ = self._open.pop(sample.seq_id)  # the last call about this sequence
+        if self.sink is None:
+            return
+        judgment = sample.judgment
+        self.sink(
+            {
+                "step": open_.step,
+                "seq_id": sample.seq_id,
+                "group": sample.group,
+                "index": open_.record.index,
+                "prompt": open_.record.prompt,
+                "reference": open_.record.reference,
+                "response": open_.text,
+                "score": sample.score,
+                "failure": sample.failure,
+                "correct": sample.correct,
+                "metrics": sample.metrics,
+                "prompt_ids": list(sample.prompt_ids),
+                "response_ids": list(sample.response.token_ids) if sample.response else None,
+                "judge_prompt_ids": list(open_.judge_ids) if open_.judge_ids else None,
+                "judgment": self.reward.prompt.codec.decode(judgment.token_ids)
+                if judgment is not None
+                else None,
+            }
+        )
+
+    def train_request(self, step: int, samples: list[Sample]) -> RLMessage | None:
         from pivot.training import RolloutSample
 
+        trainable = [s for s in samples if s.response is not None and s.score is not None]
+        if not trainable:
+            return None
         return TrainBatch(
             step=step,
             samples=[
@@ -153,13 +336,42 @@ class TaskSource:
                     prompt_ids=s.prompt_ids,
                     response_ids=s.response.token_ids,
                     logprobs=s.response.logprobs,
-                    reward=float(s.score or 0.0),
+                    reward=s.score,
                     group=s.group,
                 )
-                for s in samples
-                if s.response is not None
+                for s in trainable
             ],
         )
+
+
+def task_source(
+    codec,  # noqa: ANN001 - the policy's TextCodec
+    *,
+    seed: int,
+    prompts_per_step: int,
+    samples_per_prompt: int,
+    sampling: SamplingParams,
+    judge_codec=None,  # noqa: ANN001 - the GenRM's TextCodec; None: the checker scores
+    judgment_tokens: int = 24,
+) -> PromptSource:
+    """The shipped arithmetic task with its own GenRM prompt, verdict parser and checker."""
+    from pivot import task
+
+    judge = None
+    if judge_codec is not None:
+        judge = GenRMJudge(
+            JudgePrompt(judge_codec, task.judge_text), task.verdict, max_new_tokens=judgment_tokens
+        )
+    return PromptSource(
+        codec,
+        task.AdditionStream(seed),
+        seed=seed,
+        prompts_per_step=prompts_per_step,
+        samples_per_prompt=samples_per_prompt,
+        sampling=sampling,
+        reward=judge,
+        checker=task.check,
+    )
 
 
 class WorkloadSource:
@@ -228,8 +440,8 @@ class WorkloadSource:
             sampling=sim_sampling(judgment_tokens),
         )
 
-    def score(self, sample: Sample) -> float:
-        return 0.0  # a simulated judgment has no verdict; throughput is what is measured
+    def score(self, sample: Sample) -> None:
+        sample.score = 0.0  # a simulated judgment has no verdict; throughput is what is measured
 
     def train_request(self, step: int, samples: list[Sample]) -> RLMessage:
         tokens = sum(len(s.prompt_ids) + len(s.response.token_ids) for s in samples if s.response)

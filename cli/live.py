@@ -9,6 +9,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from pivot.actors.driver import Scores
 from pivot.timeline import RoleSample, ShiftMark
 
 _BARS = "▁▂▃▄▅▆▇█"
@@ -37,15 +38,23 @@ class LiveView:
         # devices the Controller does not manage (a trainer pool that is never lent)
         self.fixed = dict(fixed or {})
         self.allocation = dict(allocation)
-        self.rewards: list[float] = []
+        self.done = 0
+        self.rewards: list[float] = []  # the steps' mean rewards (a step whose rewards all
+        # failed has none)
+        self.failures = 0  # rewards failed, all steps
+        self.last_failures = 0
         self.samples_per_s = 0.0
         self.tokens_per_s: dict[str, float] = {}
         self.outstanding: dict[str, int] = {}
         self.shifts: dict[str, int] = {}
         self.last_shift: ShiftMark | None = None
 
-    def on_step(self, reward: float, samples_per_s: float) -> None:
-        self.rewards.append(reward)
+    def on_step(self, scores: Scores, samples_per_s: float) -> None:
+        self.done += 1
+        if scores.reward_mean is not None:
+            self.rewards.append(scores.reward_mean)
+        self.failures += scores.reward_failures
+        self.last_failures = scores.reward_failures
         self.samples_per_s = samples_per_s
 
     def on_samples(self, samples: list[RoleSample]) -> None:
@@ -59,7 +68,7 @@ class LiveView:
         self.last_shift = mark
 
     def __rich__(self) -> Group:
-        done = len(self.rewards)
+        done = self.done
         head = Table.grid(padding=(0, 1))
         head.add_row(
             Text(f"step {done}/{self.steps}", style="bold"),
@@ -73,14 +82,16 @@ class LiveView:
         body.add_column("tok/s", justify="right")
         body.add_column("outstanding", justify="right")
         if self.rewards:
-            first = self.rewards[: min(5, done)]
-            last = self.rewards[-min(5, done) :]
+            first = self.rewards[:5]
+            last = self.rewards[-5:]
             reward_lines = [
                 f"last {self.rewards[-1]:.3f}",
                 f"first 5 {sum(first) / len(first):.3f} -> last 5 {sum(last) / len(last):.3f}",
                 sparkline(self.rewards),
                 f"{self.samples_per_s:.1f} samples/s",
             ]
+        elif done:
+            reward_lines = ["every reward failed", "", "", f"{self.samples_per_s:.1f} samples/s"]
         else:
             reward_lines = ["waiting for step 0", "", "", ""]
         for i, role in enumerate(ROLES):
@@ -98,4 +109,13 @@ class LiveView:
         shifts = f"shifts {total}" + (f" ({kinds})" if kinds else "")
         if self.last_shift is not None:
             shifts += f"; last took {self.last_shift.seconds:.2f} s"
-        return Group(head, body, Text(shifts, style="cyan"))
+        lines = [head, body, Text(shifts, style="cyan")]
+        if self.failures:
+            lines.append(
+                Text(
+                    f"rewards failed {self.failures} (last step {self.last_failures}); "
+                    "causes in actors.log",
+                    style="yellow",
+                )
+            )
+        return Group(*lines)

@@ -38,13 +38,14 @@ from pivot.actors.assembly import (
     trainer_names,
 )
 from pivot.actors.controller import ControllerSettings, open_journal
-from pivot.actors.driver import StepReport
+from pivot.actors.driver import Scores, StepReport
 from pivot.actors.monitor import Monitor
 from pivot.actors.processes import ProcessBackend
-from pivot.actors.sources import TaskSource
+from pivot.actors.sources import FunctionReward, GenRMJudge, PromptSource
 from pivot.actors.vocabulary import rl_messages
 from pivot.assets import ASSETS
 from pivot.bus import Bus, Directory, RestartPolicy, Supervisor, configure_logging, run_real
+from pivot.cli.inputs import EVAL_IDS, Inputs, read_inputs
 from pivot.cli.live import LiveView
 from pivot.cli.plot import plot_run
 from pivot.cluster import Role, RoleSpec
@@ -56,6 +57,7 @@ from pivot.engines.tokenizer import SPECIAL_TOKENS, TextCodec
 from pivot.job import JobConfig
 from pivot.planning.cost import CostModel
 from pivot.planning.routing import RouterSettings, make_router
+from pivot.prompts import JudgePrompt
 from pivot.timeline import RoleSample, ShiftMark, TrainSpan
 
 # Estimate, not a measurement: the tiny models' per-step cost on one CPU thread. It ranks
@@ -99,6 +101,7 @@ class Job:
         job: JobConfig,
         policy: Path,
         genrm: Path | None,
+        inputs: Inputs,
         run_dir: Path,
         console,  # noqa: ANN001 - a rich Console
         view: LiveView | None = None,
@@ -106,6 +109,7 @@ class Job:
         self.job = job
         self.policy = policy
         self.genrm = genrm
+        self.inputs = inputs
         self.run_dir = run_dir
         self.console = console
         self.view = view
@@ -150,28 +154,28 @@ class Job:
         job, run_dir, console, d = self.job, self.run_dir, self.console, self.deployment
         metrics = (run_dir / "metrics.jsonl").open("ab")
         timeline = (run_dir / "timeline.jsonl").open("ab")
-        codec = TextCodec.from_dir(self.policy)
+        dump = (run_dir / "samples.jsonl").open("ab") if job.log.samples else None
 
         def on_step(report: StepReport) -> None:
             metrics.write(msgspec.json.encode(report) + b"\n")
             metrics.flush()
-            # the GenRM's agreement with the exact checker (only where both judge), and the
-            # judgments it wrote with no readable verdict: they scored 0, and say so
-            agree = (
-                ""
-                if report.genrm_agreement is None
-                else f" genrm=exact {report.genrm_agreement:4.2f}"
-            )
-            if report.malformed_judgments:
-                agree += f" malformed {report.malformed_judgments}"
+            if dump is not None:
+                dump.flush()
             loss = f" loss {report.train['loss']:+.3f}" if report.train else ""
             if self.view is not None:
-                self.view.on_step(report.reward_mean, report.samples_per_s)
+                self.view.on_step(report.scores, report.samples_per_s)
             console.print(
-                f"step {report.step:3d}  reward {report.reward_mean:5.3f}  exact "
-                f"{report.accuracy:5.3f}{agree}{loss}  {report.samples_per_s:5.1f} samples/s "
-                f"{report.tokens_per_s:5.0f} tok/s  shifts {len(monitor.shifts)}"
+                f"step {report.step:3d}  {scores_text(report.scores)}{loss}  "
+                f"{report.samples_per_s:5.1f} samples/s {report.tokens_per_s:5.0f} tok/s  "
+                f"shifts {len(monitor.shifts)}"
             )
+            if report.eval is not None:
+                console.print(
+                    f"    eval ({report.eval.scores.samples} prompts, policy "
+                    f"v{report.eval.policy_version}, {report.eval.seconds:.1f} s): "
+                    f"{scores_text(report.eval.scores)}",
+                    style="green",
+                )
 
         def on_sample(samples: list[RoleSample]) -> None:
             if self.view is not None:
@@ -191,18 +195,8 @@ class Job:
                 style="cyan",
             )
 
-        r = job.rollout
-        source = TaskSource(
-            codec,
-            seed=job.seed,
-            prompts_per_step=r.prompts_per_step,
-            samples_per_prompt=r.samples_per_prompt,
-            sampling=SamplingParams(
-                max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p
-            ),
-            judged=self.genrm is not None,
-            judgment_tokens=job.reward.max_new_tokens,
-            judge_codec=TextCodec.from_dir(self.genrm) if self.genrm is not None else None,
+        source, evaluation = self._sources(
+            (lambda row: dump.write(msgspec.json.encode(row) + b"\n")) if dump else None
         )
         monitor = Monitor(
             MONITOR,
@@ -222,8 +216,14 @@ class Job:
             sup,
             backend=self.backend,
             source=source,
-            steps=job.steps,
-            driver=DriverOptions(on_step=on_step, announce_batches=True, wait_for_controller=True),
+            steps=self.inputs.steps,
+            driver=DriverOptions(
+                on_step=on_step,
+                announce_batches=True,
+                wait_for_controller=True,
+                evaluation=evaluation,
+                eval_every=job.data.eval_every,
+            ),
             control=Control(
                 settings=ControllerSettings(
                     interval_s=control.interval_s,
@@ -263,14 +263,85 @@ class Job:
             sup.remove_signal_handlers()
             metrics.close()
             timeline.close()
+            if dump is not None:
+                dump.close()
+            if isinstance(source.reward, FunctionReward):
+                source.reward.close()
             shutil.rmtree(self.sockets, ignore_errors=True)
         return driver.reports, monitor
+
+    def _sources(self, sink) -> tuple[PromptSource, PromptSource | None]:  # noqa: ANN001
+        """The training prompts and the evaluation set, with the job's reward: one reward
+        object serves both, so the GenRM's prompt and a function's pool are made once."""
+        job, inputs = self.job, self.inputs
+        codec = TextCodec.from_dir(self.policy)
+        if job.reward.kind == "genrm":
+            reward = GenRMJudge(
+                JudgePrompt(
+                    TextCodec.from_dir(self.genrm),
+                    inputs.judge_text,
+                    system_prompt=job.reward.system_prompt,
+                ),
+                inputs.verdict,
+                max_new_tokens=job.reward.max_new_tokens,
+            )
+        elif job.reward.kind == "function":
+            reward = FunctionReward(inputs.reward, timeout_s=job.reward.timeout_s)
+        else:
+            reward = None
+        r = job.rollout
+        sampling = SamplingParams(
+            max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p
+        )
+        source = PromptSource(
+            codec,
+            inputs.stream,
+            seed=job.seed,
+            prompts_per_step=r.prompts_per_step,
+            samples_per_prompt=r.samples_per_prompt,
+            sampling=sampling,
+            reward=reward,
+            checker=inputs.checker,
+            sink=sink,
+        )
+        evaluation = None
+        if inputs.evaluation is not None:
+            evaluation = PromptSource(
+                codec,
+                inputs.evaluation,
+                seed=job.seed,
+                prompts_per_step=len(inputs.evaluation.records),
+                samples_per_prompt=1,
+                sampling=msgspec.structs.replace(sampling, temperature=job.data.eval_temperature),
+                reward=reward,
+                checker=inputs.checker,
+                id_base=EVAL_IDS,
+            )
+        return source, evaluation
+
+
+def scores_text(scores: Scores) -> str:
+    """A step's (or an evaluation's) scores in a line: the mean reward over the samples
+    scored, the failed rewards and their causes, the checker's accuracy and the GenRM's
+    agreement with it where a checker exists, the reward function's own metrics."""
+    mean = "-" if scores.reward_mean is None else f"{scores.reward_mean:5.3f}"
+    parts = [f"reward {mean}"]
+    if scores.reward_failures:
+        causes = ", ".join(f"{n} {cause}" for cause, n in scores.failures_by_cause.items())
+        parts.append(f"failed {scores.reward_failures}/{scores.samples} ({causes})")
+    if scores.accuracy is not None:
+        parts.append(f"accuracy {scores.accuracy:5.3f}")
+    if scores.genrm_agreement is not None:
+        parts.append(f"genrm=checker {scores.genrm_agreement:4.2f}")
+    parts.extend(f"{k} {v:.3g}" for k, v in scores.reward_metrics.items())
+    return "  ".join(parts)
 
 
 def prepare(
     config: str, *, seed: int | None = None, deployment: str | None = None
-) -> tuple[JobConfig, Path, Path | None]:
-    """The job's config with command-line overrides, validated, and its model folders."""
+) -> tuple[JobConfig, Path, Path | None, Inputs]:
+    """The job's config with command-line overrides, validated, its model folders, its data
+    and its reward code, all read before any child process starts."""
     job = load_toml(config, JobConfig)
     if seed is not None:
         job = msgspec.structs.replace(job, seed=seed)
@@ -288,7 +359,15 @@ def prepare(
     for folder in (policy, genrm):
         if folder is not None:
             check_model(folder)
-    return job, policy, genrm
+    inputs = read_inputs(job, config)
+    if job.reward.system_prompt and not TextCodec.from_dir(genrm).has_chat_template:
+        raise ConfigError(
+            config,
+            "reward.system_prompt",
+            "a GenRM whose tokenizer has a chat template",
+            f"none in {genrm}",
+        )
+    return job, policy, genrm, inputs
 
 
 def check_model(folder: Path) -> None:
@@ -329,19 +408,24 @@ def main(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    job, policy, genrm = prepare(args.config, seed=args.seed, deployment=args.deployment)
+    job, policy, genrm, inputs = prepare(args.config, seed=args.seed, deployment=args.deployment)
     run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
     console = Console(soft_wrap=True)
     c, d = job.cluster, job.deployment
     deployment = job.plan()
     ranks = len(deployment.trainer_devices)
-    judge = "GenRM judging" if genrm is not None else "the exact checker scoring"
+    judge = {
+        "genrm": "GenRM judging",
+        "function": f"reward {job.reward.function}",
+        "exact": "the checker scoring",
+    }[job.reward.kind]
     console.print(
-        f"[bold]pivot run[/bold] {args.config}: GRPO, {job.steps} steps of "
+        f"[bold]pivot run[/bold] {args.config}: GRPO, {inputs.steps} steps of "
         f"{job.rollout.prompts_per_step}x{job.rollout.samples_per_prompt} samples; {judge}; "
         f"{c.devices} CPU devices ({ranks} trainer ranks, ZeRO-{job.training.zero_stage}); "
-        f"deployment {d.kind}; torch engines and DeepSpeed over nng ipc://\nrun dir: {run_dir}"
+        f"deployment {d.kind}; torch engines and DeepSpeed over nng ipc://\n{inputs.data_line}\n"
+        f"run dir: {run_dir}"
     )
     started = time.perf_counter()
     allocation: dict[str, int] = {"training": ranks}
@@ -350,16 +434,18 @@ def main(args: argparse.Namespace) -> int:
         if placed is not None and placed.role is not Role.TRAINING:
             allocation[placed.role.value] = allocation.get(placed.role.value, 0) + 1
     view = LiveView(
-        job.steps, d.kind, allocation, fixed={} if deployment.lends_trainer else {"training": ranks}
+        inputs.steps,
+        d.kind,
+        allocation,
+        fixed={} if deployment.lends_trainer else {"training": ranks},
     )
-    runner = Job(job, policy, genrm, run_dir, console, view)
+    runner = Job(job, policy, genrm, inputs, run_dir, console, view)
     try:
         with logs_to(run_dir / "actors.log"), Live(view, console=console, refresh_per_second=4):
             reports, monitor = run_real(runner.run())
     except KeyboardInterrupt:
         console.print(
-            f"\ninterrupted after {len(view.rewards)} steps; every child stopped; "
-            f"what ran is in {run_dir}"
+            f"\ninterrupted after {view.done} steps; every child stopped; what ran is in {run_dir}"
         )
         raise
     console.print()
@@ -385,15 +471,18 @@ def main(args: argparse.Namespace) -> int:
         kinds[mark.kind] = kinds.get(mark.kind, 0) + 1
     first, last = reports[:5], reports[-5:]
 
-    def mean(rs: list[StepReport]) -> float:
-        return sum(r.reward_mean for r in rs) / max(len(rs), 1)
+    def mean(rs: list[StepReport]) -> str:
+        means = [r.scores.reward_mean for r in rs if r.scores.reward_mean is not None]
+        return f"{sum(means) / len(means):.3f}" if means else "-"
 
+    failures = sum(r.scores.reward_failures for r in reports)
+    failed = f"{failures} rewards failed (see actors.log); " if failures else ""
     repeats = sum(r.duplicates for r in reports) + runner.assembly.driver.unknown_completions
     if repeats:
         console.print(f"{repeats} completions arrived more than once (ignored)", style="yellow")
     console.print(
-        f"done: {len(reports)} steps in {wall:.1f} s; reward {mean(first):.3f} (first 5 steps) "
-        f"-> {mean(last):.3f} (last 5); shifts {sum(kinds.values())} {kinds}\n"
+        f"done: {len(reports)} steps in {wall:.1f} s; reward {mean(first)} (first 5 steps) "
+        f"-> {mean(last)} (last 5); {failed}shifts {sum(kinds.values())} {kinds}\n"
         f"metrics {run_dir / 'metrics.jsonl'}, plot {plot}, "
         + (f"journal {run_dir / 'shift.journal'}, " if d.kind != "disaggregated" else "")
         + f"logs {run_dir / 'actors.log'}"

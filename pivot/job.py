@@ -15,6 +15,7 @@ from pivot.config import (
     ConfigError,
     ConfigStruct,
     Fraction,
+    NonNegativeFloat,
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
@@ -72,11 +73,62 @@ class RolloutSection(ConfigStruct):
     top_p: Fraction = 1.0
 
 
-class RewardSection(ConfigStruct):
-    """``genrm``: the GenRM judges each response; ``exact``: the task's checker scores it."""
+class DataSection(ConfigStruct):
+    """The prompts (``pivot.data``). ``train``: a ``.jsonl`` or ``.parquet`` file, relative to
+    the config file; empty: the shipped arithmetic task, made from the seed. ``prompt_key``:
+    the field holding the prompt, a string or a list of chat messages (encoded with the
+    policy's chat template); ``reference_key``: the field holding the reference answer (empty:
+    none); every other field reaches the reward as metadata. ``shuffle``: a seeded
+    permutation per epoch. ``epochs``: stop after this many passes over the data (the job runs
+    the whole steps that fit, at most ``steps``); 0: cycle for ``steps`` steps. ``eval``: a
+    file of the same form, generated (at ``eval_temperature``, 0: greedy) and scored after
+    every ``eval_every``-th step (0: only after the last), never trained on."""
 
-    kind: Literal["genrm", "exact"] = "genrm"
+    train: str = ""
+    prompt_key: str = "prompt"
+    reference_key: str = ""
+    shuffle: bool = True
+    epochs: NonNegativeInt = 0
+    eval: str = ""
+    eval_every: NonNegativeInt = 0
+    eval_temperature: NonNegativeFloat = 0.0
+
+
+class RewardSection(ConfigStruct):
+    """How a response is scored (``pivot.rewards``).
+
+    * ``genrm``: the GenRM judges it. Its prompt comes from ``template`` (a jinja2 file;
+      empty: the task's own prompt, or ``pivot.prompts.DEFAULT_TEMPLATE`` for a data file),
+      as the user turn of the GenRM's chat template when its tokenizer has one, after
+      ``system_prompt``; ``verdict`` names the parser of its judgment (empty: ``pivot.task:
+      verdict``, which reads a final ': correct' or ': wrong').
+    * ``function``: ``function`` names a Python function, ``"package.module:name"`` or
+      ``"path/to/file.py:name"`` (relative to the config file), sync or async, given a
+      ``pivot.rewards.RewardInput``, returning a float or a dict with a ``score``; each call
+      has ``timeout_s``.
+    * ``exact``: the checker's verdict (1 or 0) is the reward.
+
+    ``checker`` (optional) names a function of a ``RewardInput`` returning a bool: the step
+    reports accuracy and the GenRM's agreement with it. The shipped task has its exact checker.
+    A reward that fails (raises, times out, gives no verdict or a non-number) is counted and
+    its sample left out of training.
+    """
+
+    kind: Literal["genrm", "function", "exact"] = "genrm"
+    function: str = ""
+    timeout_s: Seconds = 30.0
+    checker: str = ""
+    template: str = ""
+    system_prompt: str = ""
+    verdict: str = ""
     max_new_tokens: PositiveInt = 24
+
+
+class LogSection(ConfigStruct):
+    """``samples``: write every scored sample (texts, token ids, the GenRM's prompt ids and
+    judgment, score or failure) to samples.jsonl in the run folder."""
+
+    samples: bool = False
 
 
 class ControlSection(ConfigStruct):
@@ -98,10 +150,12 @@ class JobConfig(ConfigStruct):
     cluster: ClusterSection = ClusterSection()
     deployment: DeploymentSection = DeploymentSection()
     model: ModelSection = ModelSection()
+    data: DataSection = DataSection()
     rollout: RolloutSection = RolloutSection()
     reward: RewardSection = RewardSection()
     training: TrainingSettings = TrainingSettings()
     control: ControlSection = ControlSection()
+    log: LogSection = LogSection()
 
     @property
     def shared_devices(self) -> int:
@@ -142,6 +196,7 @@ class JobConfig(ConfigStruct):
                 f"fewer than cluster.devices = {c.devices} (inference needs shared devices)",
                 f"int {c.trainer_devices}",
             )
+        self._check_reward(source)
         judged = self.reward.kind == "genrm"
         if d.kind not in (DeploymentKind.PIVOT, DeploymentKind.DISAGGREGATED):
             return self._check_temperature(source)
@@ -156,6 +211,40 @@ class JobConfig(ConfigStruct):
                 f"int {d.rollout_devices}",
             )
         return self._check_temperature(source)
+
+    def _check_reward(self, source: str) -> None:
+        r = self.reward
+        if r.kind == "function" and not r.function:
+            raise ConfigError(
+                source, "reward.function", "a function name with kind 'function'", "nothing"
+            )
+        if r.function and r.kind != "function":
+            raise ConfigError(
+                source,
+                "reward.function",
+                "no value unless reward.kind = 'function'",
+                f"kind {r.kind!r}",
+            )
+        genrm_only = ("template", "system_prompt", "verdict")
+        for key in genrm_only:
+            if getattr(r, key) and r.kind != "genrm":
+                raise ConfigError(
+                    source,
+                    f"reward.{key}",
+                    "no value unless reward.kind = 'genrm'",
+                    f"kind {r.kind!r}",
+                )
+        if r.kind == "exact" and self.data.train and not r.checker:
+            raise ConfigError(
+                source,
+                "reward.checker",
+                "a checker: kind 'exact' scores with it",
+                "nothing (data.train has no built-in checker)",
+            )
+        if self.data.eval_every and not self.data.eval:
+            raise ConfigError(
+                source, "data.eval", "an evaluation file, with data.eval_every", "nothing"
+            )
 
     def _check_temperature(self, source: str) -> JobConfig:
         if self.training.temperature != self.rollout.temperature:

@@ -14,8 +14,11 @@ at zero and RL has room to push it up.
 The GenRM reads (prompt, response, reference) and writes a judgment (about 23 tokens) that
 compares the answer with the reference column by column and ends in a verdict, e.g.
 "11= 33= 22= __=: correct" or "11= 33= 32x __=: wrong"; ``parse_judgment`` turns that into a
-score. Anything else is malformed: score 0, flagged,
-and counted by ``JudgmentTally``.
+score. Anything else is malformed: ``verdict`` gives None, and the Driver counts the sample's
+reward as failed (never a silent 0).
+
+As a job's data, the task is ``AdditionStream`` (records made from the seed, step by step),
+``check`` (the exact checker over a ``RewardInput``) and ``judge_text`` (the GenRM's prompt).
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ import random
 import re
 
 import msgspec
+
+from pivot.data import Record
+from pivot.rewards import RewardInput
 
 DIGITS = 2
 ANSWER_MARK = ">"
@@ -161,24 +167,33 @@ def parse_judgment(text: str) -> Judgment:
     return Judgment(score=1.0 if verdict == CORRECT else 0.0, verdict=verdict, malformed=False)
 
 
-class JudgmentTally(msgspec.Struct):
-    """Running counts of parsed judgments, so malformed ones are visible, not silent zeros."""
+def verdict(text: str) -> float | None:
+    """The default verdict parser: the score of a well-formed judgment, None otherwise."""
+    judgment = parse_judgment(text)
+    return None if judgment.malformed else judgment.score
 
-    judged: int = 0
-    correct: int = 0
-    wrong: int = 0
-    malformed: int = 0
 
-    def add(self, judgment: Judgment) -> Judgment:
-        self.judged += 1
-        if judgment.malformed:
-            self.malformed += 1
-        elif judgment.verdict == CORRECT:
-            self.correct += 1
-        else:
-            self.wrong += 1
-        return judgment
+def check(sample: RewardInput) -> bool:
+    """The exact checker as a job's checker: the response's final answer is the reference."""
+    return is_correct(sample.response, str(sample.reference))
 
-    @property
-    def malformed_rate(self) -> float:
-        return self.malformed / self.judged if self.judged else 0.0
+
+def judge_text(record: Record, response: str) -> str:
+    """The task's GenRM prompt for a record of ``AdditionStream``."""
+    return genrm_prompt(record.prompt_text, response, str(record.reference))
+
+
+class AdditionStream:
+    """The task as a job's prompts: step k's problems come from the seed and k alone."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+
+    def steps_available(self, per_step: int) -> None:
+        return None  # problems never run out
+
+    def batch(self, step: int, per_step: int) -> list[Record]:
+        problems = make_problems(self.seed * 7919 + step, per_step)
+        return [
+            Record(index=i, prompt=p.prompt, reference=p.reference) for i, p in enumerate(problems)
+        ]

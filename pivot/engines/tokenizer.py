@@ -84,6 +84,8 @@ class TextCodec:
             raise FileNotFoundError(f"no tokenizer.json in {directory}")
         return cls(Tokenizer.from_file(str(path)))
 
+    has_chat_template = False  # the character tokenizer has none
+
     def encode(self, text: str, bos: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=bos).ids
 

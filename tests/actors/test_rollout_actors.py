@@ -24,10 +24,10 @@ from pivot.actors.messages import (
     Work,
 )
 from pivot.actors.scheduler import Scheduler
-from pivot.actors.sources import TaskSource
+from pivot.actors.sources import PromptSource, task_source
 from pivot.actors.trainer_messages import TrainBatch, Trained
 from pivot.actors.vocabulary import rl_messages
-from pivot.bus import Actor, Bus, LocalTransport, handles, run_virtual
+from pivot.bus import Actor, Bus, LocalTransport, handles, run_real, run_virtual
 from pivot.cluster import Role
 from pivot.engines.protocol import FinishReason, SamplingParams
 from pivot.engines.scripted import ScriptedEngine
@@ -36,7 +36,7 @@ from pivot.grpo import TrainStats
 from pivot.job import JobConfig, RolloutSection
 from pivot.planning.cost import CostModel
 from pivot.planning.routing import RouterSettings, check_ownership, make_router
-from pivot.task import ideal_judgment, worked_response
+from pivot.task import ideal_judgment, make_problems, worked_response
 
 CODEC = TextCodec(build_tokenizer())
 
@@ -55,9 +55,9 @@ def oracle(prompt_ids: Sequence[int], sampling: SamplingParams) -> list[int]:
     return [*CODEC.encode(text, bos=False), CODEC.eos_id]
 
 
-def oracle_engine() -> ScriptedEngine:
-    """Answers with ``oracle``, one token per step."""
-    return ScriptedEngine(oracle, eos_token_ids=[CODEC.eos_id])
+def oracle_engine(script=oracle) -> ScriptedEngine:  # noqa: ANN001
+    """Answers with ``oracle`` (or another script), one token per step."""
+    return ScriptedEngine(script, eos_token_ids=[CODEC.eos_id])
 
 
 def _router():
@@ -74,6 +74,10 @@ def _cluster(
     judges: int = 0,
     trainer: bool = False,
     staleness: int = 0,
+    source: PromptSource | None = None,
+    evaluation: PromptSource | None = None,
+    eval_every: int = 0,
+    script=oracle,  # noqa: ANN001
 ):
     scheduler = Scheduler("sched", bus, role=Role.ROLLOUT, router=_router(), downstream="driver")
     actors, engines = [scheduler], []
@@ -83,7 +87,7 @@ def _cluster(
         )
     for i in range(replicas + judges):
         role = "rollout" if i < replicas else "reward"
-        engines.append(oracle_engine())
+        engines.append(oracle_engine(script))
         actors.append(
             RoleAgent(
                 f"agent-{i}",
@@ -96,13 +100,13 @@ def _cluster(
         )
     expected = {"sched": replicas} | ({"judge": judges} if judges else {})
     r = job.rollout
-    source = TaskSource(
+    source = source or task_source(
         CODEC,
         seed=job.seed,
         prompts_per_step=r.prompts_per_step,
         samples_per_prompt=r.samples_per_prompt,
         sampling=SamplingParams(max_new_tokens=r.max_new_tokens),
-        judged=bool(judges),
+        judge_codec=CODEC if judges else None,
     )
     if trainer:
         actors.append(FakeTrainer("trainer", bus))
@@ -114,6 +118,8 @@ def _cluster(
         rollout_scheduler="sched",
         reward_scheduler="judge" if judges else None,
         trainer="trainer" if trainer else None,
+        evaluation=evaluation,
+        eval_every=eval_every,
         staleness=staleness,
         replicas=expected,
     )
@@ -152,10 +158,14 @@ def _run_job(
     judges: int = 0,
     trainer: bool = False,
     staleness: int = 0,
+    run=run_virtual,  # noqa: ANN001 - run_real for a source whose reward runs in threads
+    **sources,
 ):
     async def main(clock):
         bus = Bus.local(rl_messages(), transport=LocalTransport(), clock=clock)
-        actors, engines, driver = _cluster(bus, job, replicas, judges, trainer, staleness)
+        actors, engines, driver = _cluster(
+            bus, job, replicas, judges, trainer, staleness, **sources
+        )
         for actor in (*actors, driver):
             await actor.start()
         await driver.finished.wait()
@@ -171,7 +181,7 @@ def _run_job(
             return driver.reports, counts, trained[0].batches
         return driver.reports, counts, [e.stats().steps for e in engines]
 
-    return run_virtual(main, seed=seed)
+    return run(main, seed=seed)
 
 
 def test_every_sequence_completes_once_and_rewards_match_the_oracle():
@@ -181,8 +191,9 @@ def test_every_sequence_completes_once_and_rewards_match_the_oracle():
     for r in reports:
         assert r.samples == 20
         # seeds are job.seed * 1_000_003 + seq_id: half of each step's ids are odd
-        assert r.reward_mean == pytest.approx(0.5) and r.accuracy == pytest.approx(0.5)
-        assert r.genrm_agreement is None and r.reward_by_replica == {}
+        assert r.scores.reward_mean == pytest.approx(0.5)
+        assert r.scores.accuracy == pytest.approx(0.5)
+        assert r.scores.genrm_agreement is None and r.reward_by_replica == {}
         assert sum(r.rollout_by_replica.values()) == 20
         assert set(r.rollout_by_replica) == {"agent-0", "agent-1"}
         assert r.duplicates == 0
@@ -195,8 +206,9 @@ def test_genrm_stage_scores_every_response_through_the_reward_scheduler():
     reports, counts, steps = _run_job(job, replicas=2, judges=2)
     for r in reports:
         assert r.samples == 16
-        assert r.reward_mean == pytest.approx(0.5)  # the ideal judge agrees with the checker
-        assert r.genrm_agreement == 1.0 and r.malformed_judgments == 0
+        # the ideal judge agrees with the checker
+        assert r.scores.reward_mean == pytest.approx(0.5)
+        assert r.scores.genrm_agreement == 1.0 and r.scores.reward_failures == 0
         assert sum(r.reward_by_replica.values()) == 16
         assert set(r.reward_by_replica) == {"agent-2", "agent-3"}
         assert r.judgment_tokens > 0
@@ -358,13 +370,12 @@ class TwiceDelivering(Actor):
 def test_a_repeated_delivery_counts_once_and_is_reported():
     async def main(clock):
         bus = Bus.local(rl_messages(), transport=LocalTransport(), clock=clock)
-        source = TaskSource(
+        source = task_source(
             CODEC,
             seed=0,
             prompts_per_step=3,
             samples_per_prompt=2,
             sampling=SamplingParams(max_new_tokens=32),
-            judged=False,
         )
         scheduler = TwiceDelivering("echo", bus)
         driver = Driver("driver", bus, source=source, steps=2, rollout_scheduler="echo")
@@ -382,7 +393,7 @@ def test_a_repeated_delivery_counts_once_and_is_reported():
     assert [r.duplicates for r in reports] == [2, 2]
     assert unknown == 12
     assert [r.rollout_by_replica for r in reports] == [{"echo": 6}, {"echo": 6}]
-    assert all(r.accuracy == 1.0 for r in reports)  # the first delivery was scored
+    assert all(r.scores.accuracy == 1.0 for r in reports)  # the first delivery was scored
 
 
 def test_a_genrm_with_its_own_tokenizer_gets_the_response_as_text_in_its_own_ids():
@@ -391,17 +402,16 @@ def test_a_genrm_with_its_own_tokenizer_gets_the_response_as_text_in_its_own_ids
     from pivot.task import genrm_prompt
 
     judge = TextCodec(build_tokenizer(ALPHABET[::-1]))  # same characters, other ids
-    source = TaskSource(
+    source = task_source(
         CODEC,
         seed=0,
         prompts_per_step=1,
         samples_per_prompt=1,
         sampling=SamplingParams(max_new_tokens=8),
-        judged=True,
         judge_codec=judge,
     )
     [(sample, work)] = source.batch(0, 0)
-    problem = source._problems[sample.seq_id]
+    [problem] = make_problems(0, 1)
     response = worked_response(problem.prompt)
     sample = Sample(
         seq_id=sample.seq_id,
@@ -426,4 +436,174 @@ def test_a_genrm_with_its_own_tokenizer_gets_the_response_as_text_in_its_own_ids
         finish_reason=FinishReason.STOP,
     )
     sample.correct = source.check(sample)
-    assert source.score(sample) == float(sample.correct) and not sample.malformed
+    assert source.score(sample) is None  # scored at once
+    assert sample.score == float(sample.correct) and sample.failure is None
+
+
+# -- a data set's prompts, a reward function, evaluation, a templated GenRM
+
+
+def _records(n: int, seed: int = 0, **metadata) -> list:
+    from pivot.data import Record
+
+    return [
+        Record(index=i, prompt=p.prompt, reference=p.reference, metadata=dict(metadata))
+        for i, p in enumerate(make_problems(seed, n))
+    ]
+
+
+def _data_source(records, job, reward, **kw) -> PromptSource:
+    from pivot.data import RecordStream
+
+    r = job.rollout
+    return PromptSource(
+        CODEC,
+        RecordStream(records, seed=job.seed),
+        seed=job.seed,
+        prompts_per_step=kw.pop("prompts_per_step", r.prompts_per_step),
+        samples_per_prompt=kw.pop("samples_per_prompt", r.samples_per_prompt),
+        sampling=SamplingParams(max_new_tokens=r.max_new_tokens),
+        reward=reward,
+        **kw,
+    )
+
+
+def length_reward(sample) -> dict:
+    """A reward function of the kind users write: reads the sample, may fail."""
+    import time
+
+    from pivot.task import is_correct
+
+    right = is_correct(sample.response, sample.reference)  # the oracle's even seeds
+    if sample.metadata.get("mode") == "raise" and not right:
+        raise RuntimeError("no answer")
+    if sample.metadata.get("mode") == "hang" and right:
+        time.sleep(1.0)
+    return {"score": len(sample.response) / 100, "chars": len(sample.response)}
+
+
+async def async_reward(sample) -> float:
+    import asyncio
+
+    await asyncio.sleep(0.001)
+    return float(sample.response.rpartition(">")[2] == sample.reference)
+
+
+def test_a_function_reward_scores_each_sample_and_failures_are_counted_not_zeroed():
+    from pivot.actors.sources import FunctionReward
+    from pivot.task import is_correct
+
+    job = JobConfig(steps=2, rollout=RolloutSection(prompts_per_step=6, samples_per_prompt=2))
+    records = _records(3, mode="raise") + _records(3, seed=1, mode="hang")
+    reward = FunctionReward(length_reward, timeout_s=0.2)
+    checker = lambda s: is_correct(s.response, s.reference)  # noqa: E731
+    source = _data_source(records, job, reward, checker=checker)
+    try:
+        reports, _, batches = _run_job(job, replicas=2, trainer=True, run=run_real, source=source)
+    finally:
+        reward.close()
+    for report, batch in zip(reports, batches, strict=True):
+        scores = report.scores
+        # each prompt's two samples: one right, one wrong; 3 raise when wrong, 3 hang when right
+        assert scores.failures_by_cause == {"exception": 3, "timeout": 3}
+        assert scores.reward_failures == 6
+        # failed samples are not trained on; the others carry exactly the function's value
+        assert len(batch.samples) == report.samples - scores.reward_failures
+        for s in batch.samples:
+            text = CODEC.decode(s.response_ids)
+            assert s.reward == len(text) / 100
+        assert scores.reward_mean == pytest.approx(
+            sum(s.reward for s in batch.samples) / len(batch.samples)
+        )
+        assert scores.reward_metrics["chars"] == pytest.approx(scores.reward_mean * 100)
+        assert scores.accuracy == 0.5 and scores.genrm_agreement is None
+
+
+def test_an_async_reward_and_an_evaluation_set_that_is_never_trained_on():
+    from pivot.actors.sources import FunctionReward
+
+    job = JobConfig(steps=3, rollout=RolloutSection(prompts_per_step=2, samples_per_prompt=2))
+    reward = FunctionReward(async_reward, timeout_s=5.0)
+    train = _data_source(_records(4), job, reward)
+    evaluation = _data_source(
+        _records(5, seed=9), job, reward, prompts_per_step=5, samples_per_prompt=1, id_base=10**9
+    )
+    try:
+        reports, _, batches = _run_job(
+            job,
+            replicas=1,
+            trainer=True,
+            run=run_real,
+            source=train,
+            evaluation=evaluation,
+            eval_every=2,
+        )
+    finally:
+        reward.close()
+    assert [r.eval is not None for r in reports] == [False, True, True]  # step 1, and the last
+    for r in reports[1:]:
+        # the oracle answers right on even seeds: seq ids decide, as they do for training
+        assert r.eval.scores.samples == 5 and r.eval.scores.reward_failures == 0
+        assert r.eval.policy_version == r.step + 1  # after the step trained
+        assert 0.0 <= r.eval.scores.reward_mean <= 1.0
+    assert [len(b.samples) for b in batches] == [4, 4, 4]  # evaluation never reached training
+    assert [r.scores.reward_mean for r in reports] == [pytest.approx(0.5)] * 3
+
+
+def test_a_templated_genrm_gets_its_prompt_in_its_own_ids_and_its_parser_scores():
+    from pivot.actors.sources import GenRMJudge
+    from pivot.prompts import JudgePrompt, jinja_render
+
+    seen: list[tuple[int, ...]] = []
+
+    def recording_oracle(prompt_ids, sampling):
+        if CODEC.decode(prompt_ids).startswith("Q "):
+            seen.append(tuple(prompt_ids))
+        return oracle(prompt_ids, sampling)
+
+    template = "Q {{ prompt }}\nA {{ response }}\nR {{ reference }}___\nJ "
+    render = jinja_render(template, source="t", key="")
+    verdicts = {"correct": 0.9, "wrong": 0.1}
+    judge = GenRMJudge(
+        JudgePrompt(CODEC, render),
+        lambda text: verdicts.get(text.rpartition(": ")[2].strip()),
+        max_new_tokens=24,
+    )
+    job = JobConfig(steps=1, rollout=RolloutSection(prompts_per_step=3, samples_per_prompt=2))
+    records = _records(3)
+    source = _data_source(records, job, judge, sink=(rows := []).append)
+    reports, _, _ = _run_job(job, replicas=1, judges=1, source=source, script=recording_oracle)
+    [report] = reports
+    assert report.scores.reward_failures == 0
+    assert report.scores.reward_mean == pytest.approx((0.9 + 0.1) / 2)
+    assert len(rows) == 6
+    for row in rows:
+        record = records[row["index"]]
+        expected = CODEC.encode(render(record, row["response"]))
+        assert row["judge_prompt_ids"] == expected and tuple(expected) in seen
+        assert row["score"] == (0.9 if row["judgment"].endswith("correct") else 0.1)
+
+
+def test_a_step_whose_rewards_all_fail_reports_none_and_does_not_train():
+    from pivot.actors.sources import FunctionReward
+
+    def broken(sample):
+        raise KeyError("reference")
+
+    job = JobConfig(steps=2, rollout=RolloutSection(prompts_per_step=2, samples_per_prompt=2))
+    reward = FunctionReward(broken, timeout_s=5.0)
+    try:
+        reports, _, batches = _run_job(
+            job,
+            replicas=1,
+            trainer=True,
+            run=run_real,
+            source=_data_source(_records(2), job, reward),
+        )
+    finally:
+        reward.close()
+    assert batches == []  # nothing to train on, so the trainer was never asked
+    for r in reports:
+        assert r.scores.reward_mean is None and r.train is None
+        assert r.scores.failures_by_cause == {"exception": 4}
+    assert [r.policy_version for r in reports] == [0, 0]

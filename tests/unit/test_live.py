@@ -6,8 +6,21 @@ import io
 
 from rich.console import Console
 
+from pivot.actors.driver import Scores
 from pivot.cli.live import LiveView, sparkline
 from pivot.timeline import RoleSample, ShiftMark
+
+
+def scores(mean: float | None, failures: int = 0) -> Scores:
+    return Scores(
+        samples=8,
+        reward_mean=mean,
+        accuracy=None,
+        genrm_agreement=None,
+        reward_failures=failures,
+        failures_by_cause={"timeout": failures} if failures else {},
+        reward_metrics={},
+    )
 
 
 def _render(view: LiveView) -> str:
@@ -27,7 +40,7 @@ def test_panel_follows_steps_throughput_and_shifts():
     text = _render(view)
     assert "step 0/20" in text and "waiting for step 0" in text
     for reward in (0.2, 0.3, 0.4):
-        view.on_step(reward, samples_per_s=31.5)
+        view.on_step(scores(reward), samples_per_s=31.5)
     view.on_samples([RoleSample(t=1.0, role="rollout", tokens_per_s=1234.0, outstanding=7)])
     view.on_shift(ShiftMark(t=1.0, kind="lend_trainer", allocation={"rollout": 3, "reward": 1}))
     text = _render(view)
@@ -38,6 +51,18 @@ def test_panel_follows_steps_throughput_and_shifts():
     training = next(line for line in text.splitlines() if " training " in line)
     assert training.split()[-1] == "0"  # lent: no device trains
     assert "shifts 1 (lend_trainer 1)" in text
+    assert "failed" not in text
+
+
+def test_panel_shows_failed_rewards_and_a_step_with_none_scored():
+    view = LiveView(5, "pivot", {"rollout": 1, "reward": 1, "training": 2})
+    view.on_step(scores(None, failures=8), samples_per_s=3.0)
+    text = _render(view)
+    assert "step 1/5" in text and "every reward failed" in text
+    assert "rewards failed 8 (last step 8)" in text
+    view.on_step(scores(0.5, failures=1), samples_per_s=3.0)
+    text = _render(view)
+    assert "last 0.500" in text and "rewards failed 9 (last step 1)" in text
 
 
 def test_a_fixed_trainer_pool_stays_on_the_panel_across_shifts():

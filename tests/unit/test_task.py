@@ -3,12 +3,14 @@ prompt and judgment format, and the verdict parser's handling of malformed judgm
 
 import random
 
+import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from pivot import task
 from pivot.engines.tokenizer import ALPHABET
+from pivot.rewards import RewardInput
 
 
 def test_problems_are_seeded_and_well_formed():
@@ -137,10 +139,26 @@ def test_parse_malformed_judgments_scores_zero(text):
     assert j.malformed and j.score == 0.0 and j.verdict is None
 
 
-def test_tally_counts_malformed_separately():
-    tally = task.JudgmentTally()
-    for text in ["x: correct", "x: wrong", "garbage", "", "y: correct"]:
-        tally.add(task.parse_judgment(text))
-    assert (tally.judged, tally.correct, tally.wrong, tally.malformed) == (5, 2, 1, 2)
-    assert tally.malformed_rate == pytest.approx(0.4)
-    assert task.JudgmentTally().malformed_rate == 0.0
+def test_verdict_is_the_score_or_none_for_a_malformed_judgment():
+    assert [task.verdict(t) for t in ["x: correct", "x: wrong ", "garbage", "", "x: correct?"]] == [
+        1.0,
+        0.0,
+        None,
+        None,
+        None,
+    ]
+
+
+def test_addition_stream_is_the_seeded_problems_as_records():
+    stream = task.AdditionStream(seed=3)
+    records = stream.batch(5, 4)
+    problems = task.make_problems(3 * 7919 + 5, 4)
+    assert [(r.prompt, r.reference) for r in records] == [(p.prompt, p.reference) for p in problems]
+    assert stream.batch(5, 4) == records and stream.batch(6, 4) != records
+    response = task.worked_response(records[0].prompt)
+    sample = RewardInput(prompt=records[0].prompt, response=response, response_ids=[])
+    assert task.check(msgspec.structs.replace(sample, reference=records[0].reference))
+    assert not task.check(msgspec.structs.replace(sample, reference="0"))
+    assert task.judge_text(records[0], response) == task.genrm_prompt(
+        records[0].prompt, response, records[0].reference
+    )
