@@ -71,3 +71,79 @@ def test_a_model_folder_pivot_cannot_serve_is_named_before_any_child_starts(tmp_
         [line] = out.stderr.splitlines()
         assert where in line and what in line, line
         assert not run_dir.exists()  # nothing started, nothing written
+
+
+def test_bad_data_is_named_with_exit_code_2_before_any_child_starts(tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"question": "1+1="}\n{"prompt": "2+2="}\n')
+    job = tmp_path / "job.toml"
+    job.write_text("[data]\ntrain = 'train.jsonl'\nprompt_key = 'question'\n")
+    run_dir = tmp_path / "run"
+    out = _pivot("run", str(job), "--run-dir", str(run_dir))
+    assert out.returncode == 2, out.stderr
+    [line] = out.stderr.splitlines()
+    assert f"{data}:2: key 'question': expected the prompt field (the record has prompt)" in line
+    assert not run_dir.exists()
+
+
+BAD_INPUTS = [
+    # (config, files, what the one line says)
+    ("[data]\ntrain = 'none.jsonl'", {}, "none.jsonl: expected an existing JSONL or Parquet file"),
+    ("[data]\ntrain = 'd.jsonl'\nprompt_key = 'q'", {}, "d.jsonl:1: key 'q': expected the prompt"),
+    ("[data]\ntrain = 'd.jsonl'\nreference_key = 'answer'", {}, "d.jsonl:1: key 'answer'"),
+    ("[data]\neval = 'bad.jsonl'", {"bad.jsonl": "{oops\n"}, "bad.jsonl:1: expected one JSON"),
+    ("[data]\neval_every = 2", {}, "key 'data.eval': expected an evaluation file"),
+    (
+        "[data]\ntrain = 'd.jsonl'\nepochs = 1\n[rollout]\nprompts_per_step = 5",
+        {},
+        "key 'data.epochs': expected enough records for one step of 5 prompts",
+    ),
+    ("[reward]\nkind = 'function'", {}, "key 'reward.function': expected a function name"),
+    (
+        "[reward]\nkind = 'function'\nfunction = 'r.py:missing'",
+        {"r.py": "def score(s):\n    return 1.0\n"},
+        "key 'reward.function': expected a function 'missing' in r.py",
+    ),
+    (
+        "[reward]\nkind = 'function'\nfunction = 'no_such_pkg.mod:f'",
+        {},
+        "key 'reward.function': expected an importable module",
+    ),
+    ("[reward]\nfunction = 'r.py:score'", {}, "key 'reward.function': expected no value unless"),
+    ("[reward]\nverdict = 'pivot.task:nope'", {}, "key 'reward.verdict': expected a function"),
+    ("[reward]\ntemplate = 'j.j2'", {"j.j2": "{{ prompt }"}, "j.j2:1: expected a jinja2 template"),
+    (
+        "[reward]\ntemplate = 'j.j2'",
+        {"j.j2": "{{ metadata.topic }}"},
+        "key 'reward.template': expected j.j2 to render a record",
+    ),
+    (
+        "[reward]\nsystem_prompt = 'judge'",
+        {},
+        "key 'reward.system_prompt': expected a GenRM whose tokenizer has a chat template",
+    ),
+    (
+        "[data]\ntrain = 'd.jsonl'\n[reward]\nkind = 'exact'",
+        {},
+        "key 'reward.checker': expected a checker",
+    ),
+]
+
+
+def test_each_bad_input_is_one_line_naming_it(tmp_path, capsys):
+    from pivot.cli.main import main
+
+    for i, (config, files, expected) in enumerate(BAD_INPUTS):
+        folder = tmp_path / str(i)
+        folder.mkdir()
+        (folder / "d.jsonl").write_text('{"prompt": "1+1="}\n{"prompt": "2+2="}\n')
+        for name, text in files.items():
+            (folder / name).write_text(text)
+        (folder / "job.toml").write_text(config + "\n")
+        run_dir = folder / "run"
+        code = main(["run", str(folder / "job.toml"), "--run-dir", str(run_dir)])
+        err = capsys.readouterr().err
+        assert code == 2, (config, err)
+        [line] = err.splitlines()
+        assert expected in line, (config, line)
+        assert not run_dir.exists()
