@@ -68,8 +68,9 @@ _SHORT = {"rollout": "RO", "reward": "RM", "training": "TR"}
 
 
 def resolve_model(name: str, source: str, key: str) -> Path:
-    """A shipped model's name, or a path to a Hugging Face checkpoint folder."""
-    for candidate in (ASSETS / name, Path(name)):
+    """A shipped model's name, or a path to a Hugging Face checkpoint folder (a relative path
+    from the config file's folder, as every path in a config is)."""
+    for candidate in (ASSETS / name, Path(source).parent / name):
         if (candidate / "config.json").is_file():
             return candidate.resolve()
     shipped = sorted(

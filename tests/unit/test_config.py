@@ -1,5 +1,6 @@
 """Config errors name the file, the key, what was expected and what was found."""
 
+import msgspec
 import pytest
 
 from pivot.config import ConfigError, ConfigStruct, decode_toml, load_toml
@@ -198,3 +199,31 @@ def test_unknown_deployment_kind_names_the_choices():
     with pytest.raises(ConfigError) as err:
         decode_toml("[deployment]\nkind = 'colo'\n", JobConfig, "j.toml")
     assert "deployment.kind" in str(err.value) and "rr-colocated" in str(err.value)
+
+
+def test_the_readme_config_reference_is_every_key_at_its_default():
+    """The README's reference block parses as a job config equal to the defaults and names
+    every key of it: a key added without its documentation, or a default changed without
+    it, fails here."""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    from pivot.job import JobConfig
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = re.search(r"### Config reference.*?```toml\n(.*?)```", readme, re.S).group(1)
+    documented = tomllib.loads(block)
+
+    def leaves(tree: dict, prefix: str = "") -> set[str]:
+        out = set()
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                out |= leaves(value, f"{prefix}{key}.")
+            else:
+                out.add(prefix + key)
+        return out
+
+    defaults = msgspec.to_builtins(JobConfig())
+    assert leaves(documented) == leaves(defaults)
+    assert decode_toml(block, JobConfig, "README.md") == JobConfig()
