@@ -26,10 +26,10 @@ def bench_samples(
     """A batch shaped like the tiny job's: task prompts, worked responses (~30 tokens with the
     prompt), one rewarded sample per prompt."""
     from pivot import task
-    from pivot.engines.tokenizer import TextCodec, build_tokenizer
+    from pivot.engines.tokenizer import TextCodec
     from pivot.grpo import RolloutSample
 
-    codec = TextCodec(build_tokenizer())
+    codec = TextCodec.char()
     out = []
     for g, problem in enumerate(task.make_problems(seed, prompts)):
         prompt = codec.encode(problem.prompt)

@@ -80,9 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_run)
 
-    from pivot.cli import simulate
+    from pivot.cli import newmodel, simulate
 
     simulate.add_parser(sub)
+    newmodel.add_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks that print numbers")
     bsub = bench.add_subparsers(dest="bench", metavar="WHAT", required=True)

@@ -53,7 +53,7 @@ from pivot.config import ConfigError, load_toml
 from pivot.deployment import DeploymentKind
 from pivot.engines.checkpoint import inspect_checkpoint
 from pivot.engines.protocol import SamplingParams
-from pivot.engines.tokenizer import SPECIAL_TOKENS, TextCodec
+from pivot.engines.tokenizer import TextCodec
 from pivot.job import JobConfig
 from pivot.planning.cost import CostModel
 from pivot.planning.routing import RouterSettings, make_router
@@ -373,17 +373,18 @@ def prepare(
 
 def check_model(folder: Path) -> None:
     """What the agents and the trainer will load, read here first: a folder pivot cannot
-    serve is one line naming the file and the key, before any child process starts."""
-    inspect_checkpoint(folder)
-    try:
-        TextCodec.from_dir(folder)
-    except (OSError, ValueError) as exc:
+    serve is one line naming the file and the key, before any child process starts. The
+    tokenizer is the model's own (``AutoTokenizer``): it needs an eos token, and ids that the
+    model's embedding holds."""
+    spec, _ = inspect_checkpoint(folder)
+    codec = TextCodec.from_dir(folder)  # a TokenizerError (a ConfigError) names the file
+    if codec.vocab_size > spec.vocab_size:
         raise ConfigError(
             str(folder / "tokenizer.json"),
             "",
-            f"pivot's character tokenizer (with the tokens {', '.join(SPECIAL_TOKENS)})",
-            str(exc),
-        ) from None
+            f"at most {spec.vocab_size} tokens (config.json vocab_size)",
+            f"{codec.vocab_size}",
+        )
 
 
 @contextlib.contextmanager

@@ -323,7 +323,7 @@ def make_models(
     torch.manual_seed(seed)
     out = Path(out)
     tok = build_tokenizer()
-    codec = TextCodec(tok)
+    codec = TextCodec.char()
     eval_problems = task.make_problems(EVAL_SEED, eval_size)
     data_rng = random.Random(seed)
 
@@ -354,7 +354,7 @@ def make_models(
     policy_steps = sft(
         policy,
         policy_draw,
-        pad_id=codec.pad_id,
+        pad_id=codec.padding_id,
         max_steps=policy_max_steps,
         lr=3e-3,
         check_every=10,
@@ -409,7 +409,7 @@ def make_models(
     genrm_steps = sft(
         genrm,
         genrm_draw,
-        pad_id=codec.pad_id,
+        pad_id=codec.padding_id,
         max_steps=genrm_max_steps,
         lr=2e-3,
         decay=True,

@@ -1,19 +1,32 @@
-"""The project's character-level tokenizer: built with the `tokenizers` library and saved in
-Hugging Face format (tokenizer.json + tokenizer_config.json), so that
-``AutoTokenizer.from_pretrained(dir)`` loads it like any checkpoint's tokenizer.
+"""Text <-> token ids for pivot: ``TextCodec``, a thin wrapper over the model's own
+``transformers`` tokenizer (``AutoTokenizer``), with its special tokens and its chat template;
+and the project's character-level tokenizer, which the shipped tiny models use.
 
-One token per character of a fixed alphabet, plus four special tokens. The tiny models that
-``pivot.cli.tinymodels`` makes use it; ``TextCodec`` is the light wrapper the rest of pivot uses to
-turn task text into token ids and back without importing transformers.
+    TextCodec.from_dir(folder)    the folder's tokenizer; a TokenizerError names the file
+    TextCodec(hf_tokenizer)       one already loaded (or built in memory)
+    TextCodec.char(alphabet)      the character tokenizer, in memory (tests, the tiny maker)
+    load_tokenizer(folder)        the transformers tokenizer itself
+
+The character tokenizer is built with the `tokenizers` library and saved in Hugging Face format
+(tokenizer.json + tokenizer_config.json): one token per character of a fixed alphabet, plus four
+special tokens. transformers is imported only when a codec is made, so that importing this
+module stays cheap for the processes that only pass ids around.
 """
 
 from __future__ import annotations
 
 import json
 import string
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+from pivot.config import ConfigError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
@@ -21,6 +34,18 @@ SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
 # Everything the arithmetic task and its judgments write, plus letters so that odd text still
 # maps to real tokens rather than <unk>.
 ALPHABET = string.digits + " +-=>:?|.,_\n" + string.ascii_lowercase + string.ascii_uppercase
+
+# Files one of which a folder needs for transformers to have a vocabulary to read: without any,
+# a model-specific class (Qwen2Tokenizer, say) builds a near-empty default instead of failing.
+VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tekken.json", "tiktoken.model")
+
+# The class names that mean "tokenizer.json as it is" (transformers 5 names the second).
+GENERIC_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+class TokenizerError(ConfigError):
+    """A tokenizer folder pivot cannot use: the file, what pivot needs and what was found
+    (``str()`` is the one line to show)."""
 
 
 def build_tokenizer(alphabet: str = ALPHABET) -> Tokenizer:
@@ -45,6 +70,22 @@ def build_tokenizer(alphabet: str = ALPHABET) -> Tokenizer:
     return tok
 
 
+def char_tokenizer(alphabet: str = ALPHABET, model_max_length: int = 256) -> PreTrainedTokenizerFast:
+    """The character tokenizer as a transformers tokenizer, built in memory (no chat template)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=build_tokenizer(alphabet),
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        model_max_length=model_max_length,
+        padding_side="right",
+        clean_up_tokenization_spaces=False,
+    )
+
+
 def save_pretrained(tok: Tokenizer, directory: str | Path, model_max_length: int = 256) -> None:
     """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into directory."""
     out = Path(directory)
@@ -62,33 +103,135 @@ def save_pretrained(tok: Tokenizer, directory: str | Path, model_max_length: int
     (out / "special_tokens_map.json").write_text(json.dumps(specials, indent=2) + "\n")
 
 
-class TextCodec:
-    """Text <-> token ids with a tokenizer.json; knows the bos/eos/pad ids."""
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
-    def __init__(self, tok: Tokenizer) -> None:
-        self._tok = tok
-        ids = {name: tok.token_to_id(name) for name in SPECIAL_TOKENS}
-        missing = [name for name, i in ids.items() if i is None]
-        if missing:
-            raise ValueError(f"tokenizer lacks special tokens {missing}")
-        self.pad_id: int = ids[PAD]
-        self.bos_id: int = ids[BOS]
-        self.eos_id: int = ids[EOS]
-        self.unk_id: int = ids[UNK]
-        self.vocab_size: int = tok.get_vocab_size(with_added_tokens=True)
+
+def load_tokenizer(directory: str | Path) -> PreTrainedTokenizerBase:
+    """The folder's own tokenizer, as ``AutoTokenizer`` loads it, from local files only.
+
+    One exception: a folder whose tokenizer_config.json names the generic fast class gets
+    exactly its tokenizer.json. transformers 5 otherwise substitutes its own class for some
+    model types (Qwen2's among them), which rebuilds a byte-level BPE from the vocabulary and
+    would silently give other ids for pivot's character tokenizer.
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    folder = Path(directory)
+    config_path = folder / "tokenizer_config.json"
+    if not folder.is_dir():
+        raise TokenizerError(str(folder), "", "a model folder", "no such folder")
+    if not any((folder / name).is_file() for name in VOCAB_FILES):
+        raise TokenizerError(
+            str(folder / "tokenizer.json"), "", f"a tokenizer ({' or '.join(VOCAB_FILES)})", "none"
+        )
+    tok_config: dict = {}
+    if config_path.is_file():
+        try:
+            tok_config = json.loads(config_path.read_text())
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise TokenizerError(str(config_path), "", "a JSON object", _first_line(exc)) from None
+        if not isinstance(tok_config, dict):
+            raise TokenizerError(str(config_path), "", "a JSON object", type(tok_config).__name__)
+    generic = tok_config.get("tokenizer_class") in GENERIC_CLASSES
+    loader = PreTrainedTokenizerFast if generic else AutoTokenizer
+    try:
+        return loader.from_pretrained(str(folder), local_files_only=True)
+    except Exception as exc:  # transformers and tokenizers raise many kinds; all mean "cannot load"
+        json_path = folder / "tokenizer.json"
+        culprit = json_path if json_path.is_file() and _unreadable(json_path) else folder
+        raise TokenizerError(
+            str(culprit), "", "a tokenizer AutoTokenizer loads", _first_line(exc)
+        ) from None
+
+
+def _unreadable(path: Path) -> bool:
+    try:
+        Tokenizer.from_file(str(path))
+    except Exception:  # the tokenizers library raises a bare Exception on a bad file
+        return True
+    return False
+
+
+class TextCodec:
+    """Text <-> token ids with a model's own transformers tokenizer: its special tokens (read
+    from it, none required by name) and its chat template."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self.eos_id: int | None = tokenizer.eos_token_id
+        self.bos_id: int | None = tokenizer.bos_token_id
+        self.pad_id: int | None = tokenizer.pad_token_id
+        self.unk_id: int | None = tokenizer.unk_token_id
+        self.vocab_size: int = len(tokenizer)
 
     @classmethod
     def from_dir(cls, directory: str | Path) -> TextCodec:
-        path = Path(directory) / "tokenizer.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"no tokenizer.json in {directory}")
-        return cls(Tokenizer.from_file(str(path)))
+        """The folder's tokenizer (``load_tokenizer``); one without an eos token is refused,
+        since generation could never stop."""
+        codec = cls(load_tokenizer(directory))
+        if codec.eos_id is None:
+            raise TokenizerError(
+                str(Path(directory) / "tokenizer_config.json"),
+                "eos_token",
+                "an eos token (generation stops there)",
+                "none",
+            )
+        return codec
 
-    has_chat_template = False  # the character tokenizer has none
+    @classmethod
+    def char(cls, alphabet: str = ALPHABET) -> TextCodec:
+        """The project's character tokenizer, in memory."""
+        return cls(char_tokenizer(alphabet))
+
+    @property
+    def padding_id(self) -> int:
+        """What batches are padded with: pad, else eos (masked out anyway), else 0."""
+        for i in (self.pad_id, self.eos_id):
+            if i is not None:
+                return i
+        return 0
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=bos).ids
+        """Ids of text; with ``bos`` the special tokens the tokenizer itself adds (a bos for
+        Llama-style tokenizers, nothing for Qwen-style ones), without it none."""
+        return list(self.tokenizer.encode(text, add_special_tokens=bos))
 
-    def decode(self, ids: list[int] | tuple[int, ...]) -> str:
-        """Text of ids, special tokens (bos, eos, pad, unk) left out."""
-        return self._tok.decode(list(ids), skip_special_tokens=True)
+    def _need_template(self) -> None:
+        if not self.has_chat_template:
+            name = getattr(self.tokenizer, "name_or_path", "") or type(self.tokenizer).__name__
+            raise ValueError(
+                f"tokenizer {name!r} has no chat template (tokenizer_config.json "
+                "'chat_template' or chat_template.jinja): give plain text prompts instead"
+            )
+
+    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+        """The text the chat template makes of messages."""
+        self._need_template()
+        return self.tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+
+    def encode_chat(
+        self, messages: Sequence[dict], *, add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Ids of messages through the chat template. The template writes any bos itself, so
+        the rendered text is encoded without adding special tokens again."""
+        self._need_template()
+        return list(
+            self.tokenizer.apply_chat_template(
+                list(messages),
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                return_dict=False,  # transformers 5 returns a BatchEncoding by default
+            )
+        )
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ids, special tokens (bos, eos, pad, ...) left out."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)

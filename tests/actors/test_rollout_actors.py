@@ -31,14 +31,14 @@ from pivot.bus import Actor, Bus, LocalTransport, handles, run_real, run_virtual
 from pivot.cluster import Role
 from pivot.engines.protocol import FinishReason, SamplingParams
 from pivot.engines.scripted import ScriptedEngine
-from pivot.engines.tokenizer import TextCodec, build_tokenizer
+from pivot.engines.tokenizer import TextCodec
 from pivot.grpo import TrainStats
 from pivot.job import JobConfig, RolloutSection
 from pivot.planning.cost import CostModel
 from pivot.planning.routing import RouterSettings, check_ownership, make_router
 from pivot.task import ideal_judgment, make_problems, worked_response
 
-CODEC = TextCodec(build_tokenizer())
+CODEC = TextCodec.char()
 
 
 def oracle(prompt_ids: Sequence[int], sampling: SamplingParams) -> list[int]:
@@ -401,7 +401,7 @@ def test_a_genrm_with_its_own_tokenizer_gets_the_response_as_text_in_its_own_ids
     from pivot.engines.tokenizer import ALPHABET
     from pivot.task import genrm_prompt
 
-    judge = TextCodec(build_tokenizer(ALPHABET[::-1]))  # same characters, other ids
+    judge = TextCodec.char(ALPHABET[::-1])  # same characters, other ids
     source = task_source(
         CODEC,
         seed=0,

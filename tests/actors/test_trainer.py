@@ -268,7 +268,7 @@ def make_checkpoint(folder: Path) -> Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tok = build_tokenizer()
-    codec = TextCodec(tok)
+    codec = TextCodec.char()
     config = Qwen2Config(
         vocab_size=codec.vocab_size,
         hidden_size=32,
@@ -308,7 +308,7 @@ def make_samples(checkpoint: Path) -> list[RolloutSample]:
     """Group 0: one prompt, four responses, only the first rewarded (advantages +1.5,
     -0.5 x3). Group 1: three responses rewarded 1, 0, 1. Seven rows: the two ranks hold 4
     and 3 (+1 empty), in micro-batches of 3. Behaviour logprobs are the checkpoint's own."""
-    codec = TextCodec(build_tokenizer())
+    codec = TextCodec.char()
     model = load_model(checkpoint)
     rows = [
         (0, "12+34=", "2+4+0=6 1+3+0=4 >46", 1.0),
@@ -414,7 +414,7 @@ async def test_first_step_equals_a_single_process_adamw_step(group: Group) -> No
     on the whole batch: token-mean loss, gradient clipped to 1.0, AdamW."""
     s = SETTINGS
     model = load_model(group.checkpoint).train()
-    batch = build_batch(group.samples, pad_id=TextCodec(build_tokenizer()).pad_id)
+    batch = build_batch(group.samples, pad_id=TextCodec.char().padding_id)
     logp = token_logprobs(model(input_ids=batch.input_ids).logits, batch.input_ids)
     loss, _ = policy_loss(
         logp, batch.old_logprobs, batch.advantages, batch.response_mask, dual_clip=s.dual_clip

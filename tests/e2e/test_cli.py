@@ -43,23 +43,40 @@ def test_a_model_folder_pivot_cannot_serve_is_named_before_any_child_starts(tmp_
     import json
     import shutil
 
-    from tokenizers import Tokenizer, models
-
     from pivot.assets import ASSETS
 
     gpt2 = tmp_path / "gpt2"
     shutil.copytree(ASSETS / "tiny-policy", gpt2)
     config = json.loads((gpt2 / "config.json").read_text())
     (gpt2 / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
-    bpe = tmp_path / "bpe"
-    shutil.copytree(ASSETS / "tiny-policy", bpe)
-    Tokenizer(models.BPE()).save(str(bpe / "tokenizer.json"))  # no pivot special tokens
+    garbled = tmp_path / "garbled"
+    shutil.copytree(ASSETS / "tiny-policy", garbled)
+    (garbled / "tokenizer.json").write_text("{not json")
+    endless = tmp_path / "endless"  # a tokenizer without an eos token: generation never stops
+    shutil.copytree(ASSETS / "tiny-policy", endless)
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        specials = json.loads((endless / name).read_text())
+        del specials["eos_token"]
+        (endless / name).write_text(json.dumps(specials))
+    untokenized = tmp_path / "untokenized"
+    shutil.copytree(ASSETS / "tiny-policy", untokenized)
+    (untokenized / "tokenizer.json").unlink()
     unweighted = tmp_path / "unweighted"
     shutil.copytree(ASSETS / "tiny-policy", unweighted)
     (unweighted / "model.safetensors").unlink()
     cases = [
         (gpt2, f"{gpt2 / 'config.json'}: key 'model_type': expected one of", "found 'gpt2'"),
-        (bpe, f"{bpe / 'tokenizer.json'}: expected pivot's character tokenizer", "<pad>"),
+        (
+            garbled,
+            f"{garbled / 'tokenizer.json'}: expected a tokenizer AutoTokenizer loads",
+            "found JSONDecodeError",
+        ),
+        (
+            endless,
+            f"{endless / 'tokenizer_config.json'}: key 'eos_token': expected an eos token",
+            "found none",
+        ),
+        (untokenized, f"{untokenized / 'tokenizer.json'}: expected a tokenizer", "found none"),
         (unweighted, f"{unweighted}: expected model.safetensors", "found neither"),
     ]
     for folder, where, what in cases:

@@ -63,6 +63,32 @@ def test_tokenizer_round_trip_and_auto_tokenizer(tmp_path):
     assert codec.decode(codec.encode("1\u00e92") + [codec.eos_id, codec.pad_id]) == "12"
 
 
+def test_shipped_tokenizers_give_the_ids_of_their_tokenizer_json():
+    """The shipped folders say qwen2, for which transformers 5's AutoTokenizer would rebuild
+    a byte-level BPE from the vocabulary; the codec reads tokenizer.json as it is."""
+    from tokenizers import Tokenizer
+
+    in_memory = TextCodec.char()
+    texts = ["", " ", "\n\n", "a  b", "1\u00e92 \u4e2d", ALPHABET, ALPHABET[::-1]]
+    for p in task.make_problems(11, 40):
+        response = task.worked_response(p.prompt)
+        texts += [p.prompt, response, task.genrm_prompt(p.prompt, response, p.reference)]
+        texts.append(task.ideal_judgment(response, p.reference))
+        texts.append(task.ideal_judgment(response[:-1] + "x", p.reference))
+    for folder in (POLICY, GENRM):
+        raw = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        codec = TextCodec.from_dir(folder)
+        specials = (codec.pad_id, codec.bos_id, codec.eos_id, codec.unk_id, codec.vocab_size)
+        assert specials == (0, 1, 2, 3, raw.get_vocab_size(with_added_tokens=True))
+        assert not codec.has_chat_template
+        for text in texts:
+            for bos in (True, False):
+                ids = raw.encode(text, add_special_tokens=bos).ids
+                assert codec.encode(text, bos=bos) == in_memory.encode(text, bos=bos) == ids
+            ids = raw.encode(text).ids + [codec.eos_id, codec.pad_id]
+            assert codec.decode(ids) == raw.decode(ids, skip_special_tokens=True)
+
+
 def test_shipped_models_load_with_auto_classes(report):
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM
 
