@@ -292,8 +292,9 @@ def prepare(
 
 
 def check_model(folder: Path) -> None:
-    """What the agents and the trainer will load, read here first: a folder pivot cannot
-    serve is one line naming the file and the key, before any child process starts."""
+    """What the agents and the trainer will load, read here first: a folder neither pivot's
+    engine nor its transformers fallback serves (``inspect_checkpoint``) is one line naming
+    the file and the key, before any child process starts."""
     inspect_checkpoint(folder)
     try:
         TextCodec.from_dir(folder)

@@ -47,10 +47,10 @@ def test_a_model_folder_pivot_cannot_serve_is_named_before_any_child_starts(tmp_
 
     from pivot.assets import ASSETS
 
-    gpt2 = tmp_path / "gpt2"
-    shutil.copytree(ASSETS / "tiny-policy", gpt2)
-    config = json.loads((gpt2 / "config.json").read_text())
-    (gpt2 / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    unknown = tmp_path / "unknown"
+    shutil.copytree(ASSETS / "tiny-policy", unknown)
+    config = json.loads((unknown / "config.json").read_text())
+    (unknown / "config.json").write_text(json.dumps({**config, "model_type": "no-such-model"}))
     bpe = tmp_path / "bpe"
     shutil.copytree(ASSETS / "tiny-policy", bpe)
     Tokenizer(models.BPE()).save(str(bpe / "tokenizer.json"))  # no pivot special tokens
@@ -58,7 +58,11 @@ def test_a_model_folder_pivot_cannot_serve_is_named_before_any_child_starts(tmp_
     shutil.copytree(ASSETS / "tiny-policy", unweighted)
     (unweighted / "model.safetensors").unlink()
     cases = [
-        (gpt2, f"{gpt2 / 'config.json'}: key 'model_type': expected one of", "found 'gpt2'"),
+        (
+            unknown,
+            f"{unknown / 'config.json'}: key 'model_type': expected one of",
+            "found 'no-such-model'",
+        ),
         (bpe, f"{bpe / 'tokenizer.json'}: expected pivot's character tokenizer", "<pad>"),
         (unweighted, f"{unweighted}: expected model.safetensors", "found neither"),
     ]
