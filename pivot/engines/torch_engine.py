@@ -1,7 +1,9 @@
 """The torch inference backend (CPU): a pure-torch forward of the Llama-shaped decoders
 (Llama, Mistral, Qwen2, Qwen3; ``pivot.engines.checkpoint.DecoderSpec``) with a preallocated
 KV cache and continuous batching, behind the ``pivot.engines.protocol.InferenceEngine``
-protocol.
+protocol. Other checkpoints run on the transformers fallback (``pivot.engines.hf_engine``;
+``pivot.engines.loading`` picks); the queue, abort, re-prefill, finish rules and sampling are
+``pivot.engines.stepping``'s, shared with it.
 
 It reads a Hugging Face checkpoint folder itself (config.json + safetensors), so a user's
 local checkpoint and the project's tiny models take the same path, without importing
