@@ -32,8 +32,9 @@ from pivot.engines.stepping import Held, SteppedEngine
 
 
 def causal_lm_class(config: Any) -> type:
-    """The causal-LM class for a transformers config: the one config.json's ``architectures``
-    names among transformers' causal LMs for its model type, else the one
+    """The causal-LM class for a transformers config: the first class config.json's
+    ``architectures`` names that is one of transformers' causal LMs for its model type (or
+    any ``...ForCausalLM``, as the trainer has always taken), else the one
     ``AutoModelForCausalLM`` maps it to. By name first: importing transformers' auto-model
     mapping loads torch._dynamo, whose Tensor polyfills break DeepSpeed's zero.Init at
     ZeRO-3."""
