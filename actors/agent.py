@@ -29,6 +29,7 @@ way, so no engine is ever rebuilt. The Controller drives the change (all idempot
               engines=None, weights=None, models=None, device=None, devices=None,
               report_timeout=30.0, stepping=None)
     CheckpointWeights(folder)            WeightLoader: a Hugging Face checkpoint folder
+    engines_for(folders, stores, ...)    an engine and a WeightLoader per inference role
     StoreWeights(store, like)            WeightLoader: newest version in a GPS host store
 
 How the agent steps its engine is one strategy object (``stepping``):
@@ -107,15 +108,14 @@ class CheckpointWeights:
         self.version = version
 
     def __call__(self, model: str, min_version: int) -> tuple[NamedTensors, int]:
-        from pivot.engines.torch_engine import read_checkpoint
+        from pivot.engines.loading import read_weights
 
         if self.version < min_version:
             raise ShiftRefused(
                 f"checkpoint {self.folder} holds version {self.version}, "
                 f"version {min_version} or newer was asked for"
             )
-        _, tensors = read_checkpoint(self.folder)
-        return tensors, self.version
+        return read_weights(self.folder), self.version
 
 
 class StoreWeights:
@@ -675,6 +675,32 @@ def _partial(p: Any) -> Partial:
     return Partial(seq_id=int(p.seq_id), token_ids=copy_ids(p.token_ids), logprobs=list(p.logprobs))
 
 
+def engines_for(
+    folders: Mapping[str, str | Path],
+    stores: Mapping[str, str],
+    *,
+    reader_name: str,
+    **engine_kwargs: Any,
+) -> tuple[dict[str, InferenceEngine], dict[str, WeightLoader]]:
+    """An engine per inference role, each serving its checkpoint folder (the engine
+    ``pivot.engines.loading.load_engine`` picks for it), and where each role's weights are
+    read on Acquire: the GPS host store named in ``stores`` for it, else its folder again."""
+    from pivot.engines.loading import load_engine, read_weights
+
+    engines: dict[str, InferenceEngine] = {}
+    weights: dict[str, WeightLoader] = {}
+    for role, folder in folders.items():
+        tensors = read_weights(folder)
+        engines[role] = load_engine(folder, tensors, **engine_kwargs)
+        store = stores.get(role)
+        weights[role] = (
+            StoreWeights(store, like=tensors, reader_name=reader_name)
+            if store
+            else CheckpointWeights(folder)
+        )
+    return engines, weights
+
+
 def torch_agent(
     name: str,
     *,
@@ -691,7 +717,8 @@ def torch_agent(
     replica: str | None = None,
     devices: list[int] | None = None,
 ) -> RoleAgent:
-    """Factory for a child process: a RoleAgent serving HF checkpoints on CPU.
+    """Factory for a child process: a RoleAgent serving HF checkpoints on CPU (pivot's torch
+    engine for its decoder families, the transformers fallback for other causal LMs).
 
     ``model`` is the checkpoint of ``role``. For an agent that may shift, ``checkpoints``
     names one checkpoint folder per inference role (an engine is built for each); on
@@ -700,29 +727,18 @@ def torch_agent(
     """
     import time
 
-    from pivot.engines.torch_engine import TorchEngine, read_checkpoint
-
     folders = dict(checkpoints or {})
     if model is not None:
         folders.setdefault(role, model)
-    engines: dict[str, InferenceEngine] = {}
-    weights: dict[str, WeightLoader] = {}
-    for held_role, folder in folders.items():
-        spec, tensors = read_checkpoint(folder)
-        engines[held_role] = TorchEngine(
-            spec,
-            tensors,
-            max_running=max_running,
-            threads=threads,
-            seed=seed,
-            clock=time.perf_counter,
-        )
-        store = (stores or {}).get(held_role)
-        weights[held_role] = (
-            StoreWeights(store, like=tensors, reader_name=name)
-            if store
-            else CheckpointWeights(folder)
-        )
+    engines, weights = engines_for(
+        folders,
+        stores or {},
+        reader_name=name,
+        max_running=max_running,
+        threads=threads,
+        seed=seed,
+        clock=time.perf_counter,
+    )
     secret = os.environ.get("PIVOT_SECRET")
     bus = Bus.nng(Directory.from_dict(directory), rl_messages(), secret=secret)
     return RoleAgent(

@@ -37,7 +37,7 @@ from pivot.actors.sources import Source
 from pivot.actors.trainer import Trainer, TrainingBackend
 from pivot.bus import Actor, Bus, Clock, RestartPolicy, Supervisor
 from pivot.bus.supervisor import ActorFactory
-from pivot.cluster import INFERENCE_ROLES, Role, RoleSpec
+from pivot.cluster import Role, RoleSpec
 from pivot.deployment import Deployment
 from pivot.engines.protocol import InferenceEngine
 from pivot.planning.cost import CostModel
@@ -334,7 +334,8 @@ def _controller(
     driver: Driver,
     options: DriverOptions,
 ) -> Controller:
-    spec = deployment.cluster_spec(control.roles)
+    # only the roles the deployment serves: an unjudged job has no reward stage to plan for
+    spec = deployment.cluster_spec({r: control.roles[r] for r in deployment.roles})
     assert spec is not None
     policy: ShiftPolicy
     if deployment.policy == "planner":
@@ -351,7 +352,7 @@ def _controller(
         bus,
         spec=spec,
         agents={d: agent_name(d) for d in range(deployment.managed)},
-        schedulers={r: SCHEDULERS[r] for r in INFERENCE_ROLES},
+        schedulers={r: SCHEDULERS[r] for r in deployment.roles},
         journal=control.journal(),
         policy=policy,
         models=control.models,

@@ -57,6 +57,7 @@ from pivot.actors.trainer_messages import SimTrainBatch, TrainBatch
 from pivot.actors.vocabulary import rl_messages
 from pivot.bus import Actor, Bus, Directory, RestartPolicy, Supervisor
 from pivot.config import convert
+from pivot.engines.hf_engine import causal_lm_class
 from pivot.grpo import (
     GRPOBatch,
     LossSums,
@@ -168,7 +169,7 @@ class DeepSpeedTrainer:
         deepspeed.init_distributed(dist_backend="gloo")
 
         config = AutoConfig.from_pretrained(self.checkpoint)
-        model_class = _causal_lm_class(config)
+        model_class = causal_lm_class(config)
         config.use_cache = False
         self.config = config
         self.pad_id = config.pad_token_id if config.pad_token_id is not None else 0
@@ -209,13 +210,22 @@ class DeepSpeedTrainer:
         self._pin = torch.cuda.is_available()
 
     def _load_partitioned(self, model: torch.nn.Module) -> None:
-        from pivot.engines.torch_engine import read_checkpoint
+        from pivot.engines.loading import read_weights
 
         # every rank reads the names, so that a bad checkpoint fails on all of them alike
         # (not one rank inside a gather the others wait in); rank 0 copies the values
-        _, tensors = read_checkpoint(self.checkpoint)
+        tensors = read_weights(self.checkpoint)
         if self.config.tie_word_embeddings:
-            tensors.setdefault("lm_head.weight", tensors["model.embed_tokens.weight"])
+            # saved under the input embedding's name; the output embedding may be a
+            # parameter of its own here, whatever the architecture calls the two
+            named = list(model.named_parameters(remove_duplicate=False))
+
+            def name_of(param: torch.nn.Parameter) -> str:
+                return next(n for n, p in named if p is param)
+
+            embed = name_of(model.get_input_embeddings().weight)
+            head = name_of(model.get_output_embeddings().weight)
+            tensors.setdefault(head, tensors[embed])
         missing = [name for name, _ in model.named_parameters() if name not in tensors]
         if missing:
             raise ValueError(f"{self.checkpoint}: no tensors for parameters {missing[:5]}")
@@ -338,20 +348,6 @@ def fingerprint(tensors: Mapping[str, torch.Tensor]) -> str:
         digest.update(str(t.dtype).encode())
         digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return digest.hexdigest()
-
-
-def _causal_lm_class(config: Any) -> Any:
-    """The causal-LM class ``AutoModelForCausalLM`` would build for ``config``, by the
-    architecture the checkpoint names: importing transformers' auto-model mapping loads
-    torch._dynamo, whose Tensor polyfills break DeepSpeed's zero.Init at ZeRO-3."""
-    import transformers
-
-    for name in config.architectures or ():
-        if name.endswith("ForCausalLM") and hasattr(transformers, name):
-            return getattr(transformers, name)
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING  # a checkpoint that names none
-
-    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
 
 
 def _no_init_weights():

@@ -378,7 +378,7 @@ def check_model(folder: Path) -> None:
     model's embedding holds."""
     spec, _ = inspect_checkpoint(folder)
     codec = TextCodec.from_dir(folder)  # a TokenizerError (a ConfigError) names the file
-    if codec.vocab_size > spec.vocab_size:
+    if spec.vocab_size is not None and codec.vocab_size > spec.vocab_size:
         raise ConfigError(
             str(folder / "tokenizer.json"),
             "",

@@ -1,13 +1,24 @@
-"""Hugging Face checkpoint folders as pivot's engines read them, without torch: the parts of
-config.json the forward needs (``DecoderSpec``), validated with errors that name the file, the
-key, what is supported and what was found, and the safetensors files that hold the weights.
-``pivot run`` checks every model folder this way before any child process starts.
+"""Hugging Face checkpoint folders as pivot's engines read them, without torch: which engine
+serves a folder, the parts of config.json it needs, validated with errors that name the file,
+the key, what is supported and what was found, and the safetensors files that hold the
+weights. ``pivot run`` checks every model folder this way before any child process starts.
 
-    inspect_checkpoint(folder) -> (DecoderSpec, [weight files])    raises CheckpointError
+Which engine: pivot's own torch engine serves the Llama-shaped ``FAMILIES`` (``DecoderSpec``).
+Any other causal LM transformers has, and a family's checkpoint with a feature pivot's engine
+lacks (rope scaling, a sliding window, MLP biases, another activation: ``UnsupportedFeature``),
+runs on the transformers fallback (``FallbackSpec``, ``pivot.engines.hf_engine``), provided
+config.json's ``architectures`` names that model type's causal-LM class. A malformed config
+(a required value missing or wrong) is an error for both.
+
+    inspect_checkpoint(folder) -> (DecoderSpec | FallbackSpec, [weight files])
+                                                                   raises CheckpointError
 """
 
 from __future__ import annotations
 
+import ast
+import functools
+import importlib.util
 import json
 from pathlib import Path
 
@@ -22,6 +33,11 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 class CheckpointError(ConfigError):
     """A checkpoint folder pivot cannot serve: the file, the key, what is supported and what
     was found, as a config error says them (``str()`` is the one line to show)."""
+
+
+class UnsupportedFeature(CheckpointError):
+    """A config pivot's own engine does not serve (another model type, or a family's feature
+    it lacks), well formed: the transformers fallback may serve it."""
 
 
 class DecoderSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -48,8 +64,10 @@ class DecoderSpec(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def from_config(cls, config: dict, source: str = "config.json") -> DecoderSpec:
-        """Validate a config dict of one of the ``FAMILIES``; unsupported features get a
-        ``CheckpointError`` naming the file, the key, what pivot supports and what was found."""
+        """Validate a config dict of one of the ``FAMILIES``: another model type or a feature
+        pivot's engine lacks is an ``UnsupportedFeature``, a malformed value a
+        ``CheckpointError``, each naming the file, the key, what pivot's engine supports and
+        what was found."""
 
         def need(key: str, kind: type = int):
             if key not in config or config[key] is None:
@@ -61,37 +79,39 @@ class DecoderSpec(msgspec.Struct, frozen=True, kw_only=True):
 
         model_type = config.get("model_type")
         if model_type not in FAMILIES:
-            raise CheckpointError(
+            raise UnsupportedFeature(
                 source,
                 "model_type",
                 f"one of {', '.join(map(repr, FAMILIES))} (the families pivot's engine serves)",
                 repr(model_type),
             )
         if config.get("mlp_bias"):
-            raise CheckpointError(source, "mlp_bias", "false (no MLP biases)", "true")
+            raise UnsupportedFeature(source, "mlp_bias", "false (no MLP biases)", "true")
         window = config.get("sliding_window")
         if (
             model_type == "mistral"
             and window is not None
             and window < need("max_position_embeddings")
         ):
-            raise CheckpointError(
+            raise UnsupportedFeature(
                 source, "sliding_window", "none, or at least max_position_embeddings", repr(window)
             )
         act = config.get("hidden_act", "silu")
         if act != "silu":
-            raise CheckpointError(source, "hidden_act", "'silu'", repr(act))
+            raise UnsupportedFeature(source, "hidden_act", "'silu'", repr(act))
         if config.get("use_sliding_window"):
-            raise CheckpointError(source, "use_sliding_window", "false (no sliding window)", "true")
+            raise UnsupportedFeature(
+                source, "use_sliding_window", "false (no sliding window)", "true"
+            )
         layer_types = config.get("layer_types") or []
         if any(t != "full_attention" for t in layer_types):
-            raise CheckpointError(
+            raise UnsupportedFeature(
                 source, "layer_types", "only 'full_attention'", repr(sorted(set(layer_types)))
             )
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
-            raise CheckpointError(source, "rope_scaling", "the default rope", repr(rope_type))
+            raise UnsupportedFeature(source, "rope_scaling", "the default rope", repr(rope_type))
         # transformers >= 5 keeps rope_theta in rope_parameters; 4.x at the top level
         theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
         heads = need("num_attention_heads")
@@ -104,8 +124,6 @@ class DecoderSpec(msgspec.Struct, frozen=True, kw_only=True):
                 f"a divisor of num_attention_heads ({heads})",
                 repr(kv_heads),
             )
-        eos = config.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
             vocab_size=need("vocab_size"),
             hidden_size=hidden,
@@ -118,7 +136,7 @@ class DecoderSpec(msgspec.Struct, frozen=True, kw_only=True):
             rope_theta=float(theta),
             max_position_embeddings=need("max_position_embeddings"),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            eos_token_ids=eos_ids,
+            eos_token_ids=eos_token_ids(config),
             model_type=model_type,
             # Qwen2 always biases q/k/v; the others only when their config says so
             attention_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
@@ -126,9 +144,93 @@ class DecoderSpec(msgspec.Struct, frozen=True, kw_only=True):
         )
 
 
-def inspect_checkpoint(path: str | Path) -> tuple[DecoderSpec, list[Path]]:
-    """The spec of a Hugging Face checkpoint folder of one of the ``FAMILIES`` and the files of
-    its weights.
+class FallbackSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """A checkpoint the transformers fallback engine serves (``pivot.engines.hf_engine``): its
+    model type, the causal-LM class config.json names (the class the engine builds), its eos
+    tokens, and why pivot's own engine does not serve it (``reason``: that error's line)."""
+
+    model_type: str
+    architecture: str
+    eos_token_ids: tuple[int, ...]
+    reason: str
+    vocab_size: int | None = None  # None: config.json keeps it elsewhere (e.g. text_config)
+
+    @classmethod
+    def from_config(cls, config: dict, source: str, reason: str) -> FallbackSpec:
+        """Accept a config whose model type has a causal LM in transformers and whose
+        ``architectures`` names it; otherwise a ``CheckpointError`` naming the key."""
+        model_type = config.get("model_type")
+        classes = causal_lm_classes()
+        if not isinstance(model_type, str) or model_type not in classes:
+            raise CheckpointError(
+                source,
+                "model_type",
+                f"one of {', '.join(map(repr, FAMILIES))} (pivot's engine) or a model type "
+                f"with a causal LM in transformers (its fallback engine)",
+                repr(model_type),
+            )
+        named = config.get("architectures") or []
+        wanted = classes[model_type]
+        architecture = next((n for n in named if n in wanted), None)
+        if architecture is None:
+            raise CheckpointError(
+                source,
+                "architectures",
+                f"{' or '.join(map(repr, wanted))} (the causal LM transformers has for "
+                f"model_type {model_type!r})",
+                repr(named) if named else "none",
+            )
+        return cls(
+            model_type=model_type,
+            architecture=architecture,
+            eos_token_ids=eos_token_ids(config),
+            reason=reason,
+            vocab_size=vocab if isinstance(vocab := config.get("vocab_size"), int) else None,
+        )
+
+
+@functools.cache
+def causal_lm_classes() -> dict[str, tuple[str, ...]]:
+    """transformers' model types with a causal LM and the names of those classes, from its
+    ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, read as data from its source: importing the module
+    that holds it (or, in transformers 5, its config mapping) loads torch, which ``pivot
+    run``'s parent must not. Empty without transformers."""
+    found = importlib.util.find_spec("transformers")
+    if found is None or found.origin is None:
+        return {}
+    source = Path(found.origin).parent / "models" / "auto" / "modeling_auto.py"
+    for node in ast.parse(source.read_text()).body:
+        if (
+            isinstance(node, ast.Assign)
+            and any(
+                getattr(t, "id", None) == "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES" for t in node.targets
+            )
+            and isinstance(node.value, ast.Call)
+            and node.value.args
+        ):
+            pairs = ast.literal_eval(node.value.args[0])
+            return {k: (v,) if isinstance(v, str) else tuple(v) for k, v in pairs}
+    return {}
+
+
+def engine_spec(config: dict, source: str = "config.json") -> DecoderSpec | FallbackSpec:
+    """Which engine serves a config: pivot's own (``DecoderSpec``) when it can, else the
+    transformers fallback (``FallbackSpec``); a config neither serves is a CheckpointError."""
+    try:
+        return DecoderSpec.from_config(config, source=source)
+    except UnsupportedFeature as own:
+        return FallbackSpec.from_config(config, source, reason=str(own))
+
+
+def eos_token_ids(config: dict) -> tuple[int, ...]:
+    """A config's eos_token_id (none, one or a list) as a tuple."""
+    eos = config.get("eos_token_id")
+    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+
+
+def inspect_checkpoint(path: str | Path) -> tuple[DecoderSpec | FallbackSpec, list[Path]]:
+    """The spec of a Hugging Face checkpoint folder (``engine_spec``: which engine serves it)
+    and the files of its weights.
 
     Reads config.json (eos from generation_config.json when config.json has none) and finds
     model.safetensors or the shards listed in model.safetensors.index.json.
@@ -148,7 +250,7 @@ def inspect_checkpoint(path: str | Path) -> tuple[DecoderSpec, list[Path]]:
     gen_path = folder / "generation_config.json"
     if config.get("eos_token_id") is None and gen_path.is_file():
         config["eos_token_id"] = json.loads(gen_path.read_text()).get("eos_token_id")
-    spec = DecoderSpec.from_config(config, source=str(config_path))
+    spec = engine_spec(config, source=str(config_path))
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))

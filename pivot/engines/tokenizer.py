@@ -70,7 +70,9 @@ def build_tokenizer(alphabet: str = ALPHABET) -> Tokenizer:
     return tok
 
 
-def char_tokenizer(alphabet: str = ALPHABET, model_max_length: int = 256) -> PreTrainedTokenizerFast:
+def char_tokenizer(
+    alphabet: str = ALPHABET, model_max_length: int = 256
+) -> PreTrainedTokenizerFast:
     """The character tokenizer as a transformers tokenizer, built in memory (no chat template)."""
     from transformers import PreTrainedTokenizerFast
 

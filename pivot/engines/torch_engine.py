@@ -1,7 +1,9 @@
 """The torch inference backend (CPU): a pure-torch forward of the Llama-shaped decoders
 (Llama, Mistral, Qwen2, Qwen3; ``pivot.engines.checkpoint.DecoderSpec``) with a preallocated
 KV cache and continuous batching, behind the ``pivot.engines.protocol.InferenceEngine``
-protocol.
+protocol. Other checkpoints run on the transformers fallback (``pivot.engines.hf_engine``;
+``pivot.engines.loading`` picks); the queue, abort, re-prefill, finish rules and sampling are
+``pivot.engines.stepping``'s, shared with it.
 
 It reads a Hugging Face checkpoint folder itself (config.json + safetensors), so a user's
 local checkpoint and the project's tiny models take the same path, without importing
@@ -22,53 +24,35 @@ gate|up per layer) and every checkpoint name is a view into them, which is what
 
 from __future__ import annotations
 
-import math
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 
-from pivot.engines.checkpoint import DecoderSpec, inspect_checkpoint
+from pivot.engines.checkpoint import CheckpointError, DecoderSpec, inspect_checkpoint
 from pivot.engines.context import RoleContext
-from pivot.engines.protocol import (
-    ContextKind,
-    DuplicateSequence,
-    EngineNotServing,
-    EngineStats,
-    FinishedSequence,
-    FinishReason,
-    NamedTensors,
-    PartialOutput,
-    SamplingParams,
-    SeqId,
-    StepOutput,
-    TokenEvent,
-)
+from pivot.engines.loading import read_tensors
+from pivot.engines.protocol import NamedTensors
+from pivot.engines.stepping import Held, SteppedEngine, generate
 
-_MASK64 = (1 << 64) - 1
-_EMA = 0.1  # weight of the newest step in the mean step latency
+__all__ = ["DecoderSpec", "TorchEngine", "generate", "read_checkpoint"]
 
 
 def read_checkpoint(path: str | Path) -> tuple[DecoderSpec, dict[str, torch.Tensor]]:
-    """The spec and the tensors of a Hugging Face decoder checkpoint folder (see
-    ``pivot.engines.checkpoint``: model.safetensors or the shards its index lists)."""
+    """The spec and the tensors of a Hugging Face checkpoint folder of one of the decoder
+    families this engine serves (see ``pivot.engines.checkpoint``: model.safetensors or the
+    shards its index lists); any other folder is the CheckpointError that says why."""
     spec, files = inspect_checkpoint(path)
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        tensors.update(load_file(str(file)))
-    return spec, tensors
-
-
-def _seed_at(seed: int, position: int) -> int:
-    """A 63-bit generator seed for one output position of a sequence (splitmix64 mixing)."""
-    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+    if not isinstance(spec, DecoderSpec):
+        raise CheckpointError(
+            str(Path(path) / "config.json"),
+            "",
+            "a checkpoint of pivot's own engine",
+            f"one for the transformers fallback ({spec.reason})",
+        )
+    return spec, read_tensors(files)
 
 
 @dataclass
@@ -85,19 +69,6 @@ class _Layer:
 
 
 @dataclass
-class _Sequence:
-    seq_id: SeqId
-    prompt_ids: list[int]
-    output_ids: list[int]
-    logprobs: list[float]
-    sampling: SamplingParams
-    seed: int
-    stop_ids: frozenset[int]
-    cache_len: int = 0  # tokens of this sequence held in its KV slot
-    slot: int = -1
-
-
-@dataclass
 class _Weights:
     embed: torch.Tensor
     norm: torch.Tensor
@@ -106,7 +77,7 @@ class _Weights:
     views: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-class TorchEngine:
+class TorchEngine(SteppedEngine):
     """An inference engine for the Llama-shaped decoders (``DecoderSpec``: Llama, Mistral,
     Qwen2, Qwen3) on torch (CPU), continuous batching over a static KV cache.
 
@@ -129,35 +100,19 @@ class TorchEngine:
         seed: int = 0,
         weights_version: int = 0,
     ) -> None:
-        if max_running < 1:
-            raise ValueError(f"max_running must be >= 1, got {max_running}")
-        if threads is not None:
-            if threads < 1:
-                raise ValueError(f"threads must be >= 1, got {threads}")
-            torch.set_num_threads(threads)
-        self.spec = spec
-        self.max_running = max_running
-        self.max_seq_len = max_seq_len or spec.max_position_embeddings
-        if not 2 <= self.max_seq_len <= spec.max_position_embeddings:
-            raise ValueError(
-                f"max_seq_len must be in 2..{spec.max_position_embeddings} "
-                f"(max_position_embeddings), got {self.max_seq_len}"
-            )
-        self.eos_token_ids = frozenset(
-            spec.eos_token_ids if eos_token_ids is None else eos_token_ids
+        super().__init__(
+            vocab_size=spec.vocab_size,
+            max_positions=spec.max_position_embeddings,
+            max_running=max_running,
+            max_seq_len=max_seq_len,
+            eos_token_ids=spec.eos_token_ids if eos_token_ids is None else eos_token_ids,
+            threads=threads,
+            clock=clock,
+            seed=seed,
+            weights_version=weights_version,
         )
+        self.spec = spec
         self.dtype = dtype
-        self._clock = clock
-        self._seed = seed
-        self._seeded = 0
-        self._gen = torch.Generator()
-        self._waiting: deque[_Sequence] = deque()
-        self._running: list[_Sequence] = []
-        self._steps = 0
-        self._generated = 0
-        self._last_step_s = 0.0
-        self._mean_step_s = 0.0
-        self.weights_version = weights_version
         self._loaded: set[str] = set()
         self._weights: _Weights | None = self._allocate_weights()
         self._k: torch.Tensor | None = None
@@ -301,17 +256,6 @@ class TorchEngine:
         self._context.loaded(len(self._loaded) == len(views))
         self.weights_version = version
 
-    def release(self, kinds: Iterable[ContextKind | str]) -> None:
-        """Free context (``pivot.engines.context.RoleContext`` has the rules): transient drops
-        the KV cache, weights drop the parameters, stateful has nothing to offload here (no
-        CUDA graphs on CPU)."""
-        self._context.release(kinds)
-
-    def resume(self, kinds: Iterable[ContextKind | str]) -> None:
-        """Take context back: transient reallocates an empty KV cache; weights allocates
-        parameters that must all be loaded (load_weights) before the engine serves again."""
-        self._context.resume(kinds)
-
     def _free_kv(self) -> None:
         self._k = self._v = None
 
@@ -330,162 +274,13 @@ class TorchEngine:
             f"were resumed (e.g. {sorted(missing)[0]!r})"
         )
 
-    # ---- sequences ----------------------------------------------------------------------------
+    def _move(self, s: Held, slot: int) -> None:
+        if self._k is not None:
+            n = s.cache_len
+            self._k[:, slot, :, :n] = self._k[:, s.slot, :, :n]
+            self._v[:, slot, :, :n] = self._v[:, s.slot, :, :n]
 
-    def add(
-        self,
-        seq_id: SeqId,
-        prompt_ids: Sequence[int],
-        generated_ids: Sequence[int] = (),
-        sampling: SamplingParams | None = None,
-        generated_logprobs: Sequence[float] | None = None,
-    ) -> None:
-        self._context.check_serving("add a sequence")
-        sampling = sampling or SamplingParams()
-        if self._holds(seq_id):
-            raise DuplicateSequence(f"sequence {seq_id!r} is already in this engine")
-        prompt, generated = [int(t) for t in prompt_ids], [int(t) for t in generated_ids]
-        if not prompt:
-            raise ValueError(f"sequence {seq_id!r}: empty prompt")
-        bad = [t for t in prompt + generated if not 0 <= t < self.spec.vocab_size]
-        if bad:
-            raise ValueError(
-                f"sequence {seq_id!r}: token ids {bad[:5]} outside the vocabulary "
-                f"(0..{self.spec.vocab_size - 1})"
-            )
-        logprobs = [float(x) for x in generated_logprobs] if generated_logprobs is not None else []
-        if len(logprobs) != len(generated):
-            raise ValueError(
-                f"sequence {seq_id!r}: {len(generated)} generated_ids need as many "
-                f"generated_logprobs, got {len(logprobs)}"
-            )
-        context = len(prompt) + len(generated)
-        if context > self.max_seq_len:
-            raise ValueError(
-                f"sequence {seq_id!r}: prompt + generated is {context} tokens, more than "
-                f"this engine's max_seq_len {self.max_seq_len}"
-            )
-        if len(generated) >= sampling.max_new_tokens:
-            raise ValueError(
-                f"sequence {seq_id!r}: already has {len(generated)} generated tokens, "
-                f"max_new_tokens is {sampling.max_new_tokens}"
-            )
-        stop_ids = frozenset(sampling.stop_token_ids) | (
-            frozenset() if sampling.ignore_eos else self.eos_token_ids
-        )
-        if generated and generated[-1] in stop_ids:
-            raise ValueError(f"sequence {seq_id!r}: generated_ids already end with a stop token")
-        seed = sampling.seed
-        if seed is None:
-            seed = _seed_at(self._seed, self._seeded) >> 1
-            self._seeded += 1
-        self._waiting.append(
-            _Sequence(seq_id, prompt, generated, logprobs, sampling, seed, stop_ids)
-        )
-
-    def _holds(self, seq_id: SeqId) -> bool:
-        return any(s.seq_id == seq_id for s in self._running) or any(
-            s.seq_id == seq_id for s in self._waiting
-        )
-
-    def has_unfinished(self) -> bool:
-        return bool(self._running or self._waiting)
-
-    def abort(self, seq_ids: Iterable[SeqId] | None = None) -> list[PartialOutput]:
-        """Remove sequences (all when None) and return their outputs so far, waiting ones
-        first in queue order, then running ones. Ids not held here are skipped."""
-        if seq_ids is None:
-            wanted = None
-        else:
-            wanted = set(seq_ids)
-        out: list[PartialOutput] = []
-        kept: deque[_Sequence] = deque()
-        for s in self._waiting:
-            if wanted is None or s.seq_id in wanted:
-                out.append(PartialOutput(s.seq_id, tuple(s.output_ids), tuple(s.logprobs)))
-            else:
-                kept.append(s)
-        self._waiting = kept
-        leaving = [s for s in self._running if wanted is None or s.seq_id in wanted]
-        for s in leaving:
-            out.append(PartialOutput(s.seq_id, tuple(s.output_ids), tuple(s.logprobs)))
-        self._free(leaving)
-        return out
-
-    def _free(self, leaving: list[_Sequence]) -> None:
-        """Take sequences out of their slots; the last running sequence fills each hole."""
-        for s in sorted(leaving, key=lambda s: s.slot, reverse=True):
-            last = self._running.pop()
-            if last is not s:
-                hole = s.slot
-                n = last.cache_len
-                if self._k is not None:
-                    self._k[:, hole, :, :n] = self._k[:, last.slot, :, :n]
-                    self._v[:, hole, :, :n] = self._v[:, last.slot, :, :n]
-                last.slot = hole
-                self._running[hole] = last
-            s.slot = -1
-
-    # ---- the step -----------------------------------------------------------------------------
-
-    @torch.inference_mode()
-    def step(self) -> StepOutput:
-        self._context.check_serving("step")
-        start = self._clock() if self._clock else 0.0
-        decoding = list(self._running)
-        admitted: list[_Sequence] = []
-        while self._waiting and len(self._running) < self.max_running:
-            s = self._waiting.popleft()
-            s.slot = len(self._running)
-            self._running.append(s)
-            admitted.append(s)
-        if not decoding and not admitted:
-            return StepOutput(step=self._steps)
-        logits = []
-        if decoding:
-            logits.append(self._decode(decoding))
-        prefill_tokens, prefill_s = 0, 0.0
-        if admitted:
-            began = self._clock() if self._clock else 0.0
-            logits.append(self._prefill(admitted))
-            prefill_s = self._clock() - began if self._clock else 0.0
-            prefill_tokens = sum(s.cache_len for s in admitted)
-        batch = decoding + admitted
-        tokens, logprobs = self._sample(batch, torch.cat(logits) if len(logits) > 1 else logits[0])
-        events, finished, leaving = [], [], []
-        for s, tok, lp in zip(batch, tokens.tolist(), logprobs.tolist(), strict=True):
-            s.output_ids.append(tok)
-            s.logprobs.append(lp)
-            events.append(TokenEvent(s.seq_id, tok, lp))
-            reason = None
-            if tok in s.stop_ids:
-                reason = FinishReason.STOP
-            elif len(s.output_ids) >= s.sampling.max_new_tokens or s.cache_len >= self.max_seq_len:
-                reason = FinishReason.LENGTH
-            if reason is not None:
-                finished.append(
-                    FinishedSequence(s.seq_id, tuple(s.output_ids), tuple(s.logprobs), reason)
-                )
-                leaving.append(s)
-        self._free(leaving)
-        self._steps += 1
-        self._generated += len(batch)
-        if self._clock:
-            self._last_step_s = self._clock() - start
-            self._mean_step_s = (
-                self._last_step_s
-                if self._steps == 1
-                else (1 - _EMA) * self._mean_step_s + _EMA * self._last_step_s
-            )
-        return StepOutput(
-            step=self._steps,
-            events=tuple(events),
-            finished=tuple(finished),
-            prefilled=len(admitted),
-            prefill_tokens=prefill_tokens,
-            admitted=tuple(s.seq_id for s in admitted),
-            prefill_s=prefill_s,
-        )
+    # ---- the forward --------------------------------------------------------------------------
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: Sequence[int]) -> torch.Tensor:
@@ -504,7 +299,7 @@ class TorchEngine:
             h = self._finish_layer(h, attn, layer)
         return self._logits(h[0])
 
-    def _prefill(self, seqs: list[_Sequence]) -> torch.Tensor:
+    def _prefill(self, seqs: list[Held]) -> torch.Tensor:
         """Run prompt + generated of each sequence into its slot; logits of each last token."""
         contexts = [s.prompt_ids + s.output_ids for s in seqs]
         lengths = [len(c) for c in contexts]
@@ -529,7 +324,7 @@ class TorchEngine:
             s.cache_len = n
         return self._logits(h)
 
-    def _decode(self, seqs: list[_Sequence]) -> torch.Tensor:
+    def _decode(self, seqs: list[Held]) -> torch.Tensor:
         """One token for each running sequence (slots 0..n-1), attending over its cache."""
         n = len(seqs)
         ids = torch.tensor([[s.output_ids[-1]] for s in seqs], dtype=torch.long)
@@ -580,78 +375,8 @@ class TorchEngine:
         s, w = self.spec, self._weights
         return F.linear(F.rms_norm(h, (s.hidden_size,), w.norm, s.rms_norm_eps), w.lm_head).float()
 
-    def _sample(
-        self, seqs: list[_Sequence], logits: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Next token and its logprob per row: greedy rows take the argmax; sampled rows take
-        the Gumbel-max over top-p-truncated log-probabilities, with noise drawn from a
-        generator seeded by (sequence seed, output position)."""
-        temps = torch.tensor([s.sampling.temperature for s in seqs])
-        greedy = temps == 0
-        logp = torch.log_softmax(logits / torch.where(greedy, 1.0, temps)[:, None], dim=-1)
-        tokens = logp.argmax(dim=-1)
-        sampled = [i for i, s in enumerate(seqs) if s.sampling.temperature > 0]
-        if sampled:
-            rows = torch.tensor(sampled)
-            scores = logp[rows]
-            top_p = torch.tensor([seqs[i].sampling.top_p for i in sampled])
-            if bool((top_p < 1.0).any()):
-                probs, order = scores.exp().sort(dim=-1, descending=True)
-                before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above
-                drop_sorted = before >= top_p[:, None]
-                drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-                scores = scores.masked_fill(drop, -math.inf)
-            noise = torch.empty_like(scores)
-            for j, i in enumerate(sampled):
-                s = seqs[i]
-                self._gen.manual_seed(_seed_at(s.seed, len(s.output_ids)))
-                torch.rand(scores.shape[-1], generator=self._gen, out=noise[j])
-            gumbel = -torch.log(-torch.log(noise.clamp_min(1e-20)))
-            tokens[rows] = (scores + gumbel).argmax(dim=-1)
-        chosen = logp.gather(1, tokens[:, None])[:, 0]
-        return tokens, chosen
-
-    # ---- stats --------------------------------------------------------------------------------
-
-    def stats(self) -> EngineStats:
-        return EngineStats(
-            running=len(self._running),
-            waiting=len(self._waiting),
-            kv_tokens=sum(s.cache_len for s in self._running),
-            kv_capacity_tokens=self.max_running * self.max_seq_len,
-            max_running=self.max_running,
-            steps=self._steps,
-            generated_tokens=self._generated,
-            last_step_s=self._last_step_s,
-            mean_step_s=self._mean_step_s,
-            weights_version=self.weights_version,
-            weights_ready=self._context.weights_ready,
-            released=self._context.released_kinds(),
-        )
-
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
-
-
-def generate(
-    engine: TorchEngine,
-    prompts: Sequence[Sequence[int]],
-    sampling: SamplingParams | Sequence[SamplingParams],
-) -> list[FinishedSequence]:
-    """Run prompts to completion on an idle engine; outputs in prompt order (a convenience for
-    scripts and tests; the job drives ``step`` itself)."""
-    params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
-    if len(params) != len(prompts):
-        raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-    if engine.has_unfinished():
-        raise EngineNotServing("generate() needs an idle engine")
-    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-        engine.add(i, p, sampling=sp)
-    done: dict[SeqId, FinishedSequence] = {}
-    while engine.has_unfinished():
-        for f in engine.step().finished:
-            done[f.seq_id] = f
-    return [done[i] for i in range(len(prompts))]

@@ -45,10 +45,10 @@ def test_a_model_folder_pivot_cannot_serve_is_named_before_any_child_starts(tmp_
 
     from pivot.assets import ASSETS
 
-    gpt2 = tmp_path / "gpt2"
-    shutil.copytree(ASSETS / "tiny-policy", gpt2)
-    config = json.loads((gpt2 / "config.json").read_text())
-    (gpt2 / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    unknown = tmp_path / "unknown"
+    shutil.copytree(ASSETS / "tiny-policy", unknown)
+    config = json.loads((unknown / "config.json").read_text())
+    (unknown / "config.json").write_text(json.dumps({**config, "model_type": "no-such-model"}))
     garbled = tmp_path / "garbled"
     shutil.copytree(ASSETS / "tiny-policy", garbled)
     (garbled / "tokenizer.json").write_text("{not json")
@@ -65,7 +65,11 @@ def test_a_model_folder_pivot_cannot_serve_is_named_before_any_child_starts(tmp_
     shutil.copytree(ASSETS / "tiny-policy", unweighted)
     (unweighted / "model.safetensors").unlink()
     cases = [
-        (gpt2, f"{gpt2 / 'config.json'}: key 'model_type': expected one of", "found 'gpt2'"),
+        (
+            unknown,
+            f"{unknown / 'config.json'}: key 'model_type': expected one of",
+            "found 'no-such-model'",
+        ),
         (
             garbled,
             f"{garbled / 'tokenizer.json'}: expected a tokenizer AutoTokenizer loads",

@@ -187,9 +187,7 @@ def test_a_tokenizer_bigger_than_the_model_is_named(tmp_path, tokenizers):
 
 def test_new_model_command_writes_a_model_and_names_bad_input(tmp_path, capsys):
     corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text(
-        "\n".join(json.dumps({"text": t}) for t in newmodel.default_corpus()) + "\n"
-    )
+    corpus.write_text("\n".join(json.dumps({"text": t}) for t in newmodel.default_corpus()) + "\n")
     out = tmp_path / "m"
     args = ["new-model", str(out), "--family", "mistral", "--vocab-size", "300", "--seed", "3"]
     assert pivot_main([*args, "--corpus", str(corpus)]) == 0
