@@ -334,8 +334,7 @@ def _controller(
     driver: Driver,
     options: DriverOptions,
 ) -> Controller:
-    # only the roles the deployment serves: an unjudged job has no reward stage to plan for
-    spec = deployment.cluster_spec({r: control.roles[r] for r in deployment.roles})
+    spec = deployment.cluster_spec(control.roles)
     assert spec is not None
     policy: ShiftPolicy
     if deployment.policy == "planner":
@@ -352,6 +351,7 @@ def _controller(
         bus,
         spec=spec,
         agents={d: agent_name(d) for d in range(deployment.managed)},
+        # an unjudged job has no reward scheduler: its queue is empty, no device is woken for it
         schedulers={r: SCHEDULERS[r] for r in deployment.roles},
         journal=control.journal(),
         policy=policy,

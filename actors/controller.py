@@ -150,9 +150,8 @@ class Controller(Actor):
             raise ValueError(f"no agent named for devices {missing}")
         self.agents = dict(agents)
         self.schedulers = {Role(r): s for r, s in schedulers.items()}
-        for role in INFERENCE_ROLES:
-            if role not in self.schedulers:
-                raise ValueError(f"no scheduler named for role {role.value!r}")
+        if Role.ROLLOUT not in self.schedulers:
+            raise ValueError("no scheduler named for role 'rollout'")
         self.journal = journal
         self.models = {Role(r): m for r, m in (models or {}).items()}
         self.trainer = trainer
@@ -277,8 +276,10 @@ class Controller(Actor):
             )
 
         def queue(role: Role) -> QueueState:
-            report = reports[role]
-            return QueueState(report.queued, report.queued_tokens if report.queued else 0)
+            report = reports.get(role)  # none: the job does not serve the role (no GenRM)
+            if report is None or not report.queued:
+                return QueueState(0, 0)
+            return QueueState(report.queued, report.queued_tokens)
 
         return ClusterSnapshot(
             now=self.clock.now(),

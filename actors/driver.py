@@ -54,7 +54,8 @@ class Scores(msgspec.Struct, frozen=True, kw_only=True):
     samples: int
     reward_mean: float | None  # over the samples scored (None: every reward failed)
     accuracy: float | None  # the checker's, for reference (None: the job has no checker)
-    genrm_agreement: float | None  # share of GenRM scores equal to the checker's verdict
+    # share of GenRM verdicts equal to the checker's, a score of 0.5 or more saying "correct"
+    genrm_agreement: float | None
     reward_failures: int  # samples whose reward failed: out of the mean and of training
     failures_by_cause: dict[str, int]
     reward_metrics: dict[str, float]  # means of a reward function's extra numbers
@@ -77,7 +78,7 @@ class Scores(msgspec.Struct, frozen=True, kw_only=True):
             reward_mean=sum(s.score for s in scored) / len(scored) if scored else None,
             accuracy=sum(bool(s.correct) for s in checked) / len(checked) if checked else None,
             genrm_agreement=(
-                sum((s.score == 1.0) == s.correct for s in judged) / len(judged) if judged else None
+                sum((s.score >= 0.5) == s.correct for s in judged) / len(judged) if judged else None
             ),
             reward_failures=sum(causes.values()),
             failures_by_cause=dict(sorted(causes.items())),
