@@ -83,17 +83,15 @@ class DeploymentRun:
 
 
 def run_deployment(config: str, kind: str, steps: int, seed: int | None, root: Path):
-    import msgspec
     from rich.console import Console
 
     from pivot.bus import run_real
     from pivot.cli.run import Job, logs_to, prepare
 
-    job, policy, genrm = prepare(config, seed=seed, deployment=kind)
-    job = msgspec.structs.replace(job, steps=steps)
+    job, policy, genrm, inputs = prepare(config, seed=seed, deployment=kind, steps=steps)
     run_dir = root / kind
     run_dir.mkdir(parents=True, exist_ok=True)
-    runner = Job(job, policy, genrm, run_dir, Console(file=io.StringIO()))
+    runner = Job(job, policy, genrm, inputs, run_dir, Console(file=io.StringIO()))
     started = time.perf_counter()
     with logs_to(run_dir / "actors.log"):
         reports, monitor = run_real(runner.run())

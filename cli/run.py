@@ -339,13 +339,19 @@ def scores_text(scores: Scores) -> str:
 
 
 def prepare(
-    config: str, *, seed: int | None = None, deployment: str | None = None
+    config: str,
+    *,
+    seed: int | None = None,
+    deployment: str | None = None,
+    steps: int | None = None,
 ) -> tuple[JobConfig, Path, Path | None, Inputs]:
     """The job's config with command-line overrides, validated, its model folders, its data
     and its reward code, all read before any child process starts."""
     job = load_toml(config, JobConfig)
     if seed is not None:
         job = msgspec.structs.replace(job, seed=seed)
+    if steps is not None:
+        job = msgspec.structs.replace(job, steps=steps)
     if deployment is not None:
         job = msgspec.structs.replace(
             job, deployment=msgspec.structs.replace(job.deployment, kind=DeploymentKind(deployment))
