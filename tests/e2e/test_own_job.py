@@ -33,14 +33,16 @@ def examples(tmp_path_factory) -> Path:
     return root
 
 
-def _run(examples: Path, config: str, **changes: str) -> tuple[Path, list[dict], list[dict]]:
+def _run(
+    examples: Path, config: str, name: str, **changes: str
+) -> tuple[Path, list[dict], list[dict]]:
     text = (examples / config).read_text()
     for old, new in changes.items():
         assert old in text
         text = text.replace(old, new)
-    job = examples / f"short-{config}"
+    job = examples / f"short-{name}.toml"  # beside the example: its paths are relative to it
     job.write_text(text)
-    run_dir = examples / f"run-{config}"
+    run_dir = examples / f"run-{name}"
     out = subprocess.run(
         [*PIVOT, "run", str(job), "--run-dir", str(run_dir)],
         capture_output=True,
@@ -67,7 +69,10 @@ def test_a_users_policy_data_and_reward_function(examples):
     from pivot.rewards import RewardInput
 
     _, reports, rows = _run(
-        examples, "function.toml", **{"steps = 6": "steps = 3", "eval_every = 3": "eval_every = 2"}
+        examples,
+        "function.toml",
+        "function",
+        **{"steps = 6": "steps = 3", "eval_every = 3": "eval_every = 2"},
     )
     policy = TextCodec.from_dir(examples / "models" / "policy")
     reward = _user_module(examples / "reward.py")
@@ -118,7 +123,7 @@ def test_a_users_genrm_reads_the_template_in_its_own_tokenizer(examples):
     from pivot.engines.tokenizer import TextCodec
     from pivot.prompts import load_template
 
-    run_dir, reports, rows = _run(examples, "genrm.toml", **{"steps = 4": "steps = 2"})
+    run_dir, reports, rows = _run(examples, "genrm.toml", "genrm", **{"steps = 4": "steps = 2"})
     genrm = TextCodec.from_dir(examples / "models" / "genrm")
     policy = TextCodec.from_dir(examples / "models" / "policy")
     render = load_template(examples / "judge.j2", source="genrm.toml", key="reward.template")
@@ -153,3 +158,49 @@ def test_a_users_genrm_reads_the_template_in_its_own_tokenizer(examples):
         failed = [r for r in rows if r["step"] == report["step"] and r["failure"] is not None]
         assert report["scores"]["reward_failures"] == len(failed)
         assert sum(report["reward_by_replica"].values()) == 8 * 4  # every response judged
+
+
+def test_a_model_outside_pivots_families_runs_on_the_fallback_engine(examples):
+    """GPT-2 (no rotary attention, learned positions, fused qkv): served by the transformers
+    fallback, trained by DeepSpeed, its new weights read back through GPS every step."""
+    import torch
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging
+
+    from pivot.engines.checkpoint import FallbackSpec, inspect_checkpoint
+
+    logging.disable_progress_bar()
+
+    folder = examples / "models" / "gpt2"
+    tokenizer = AutoTokenizer.from_pretrained(examples / "models" / "policy")
+    torch.manual_seed(0)
+    GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=len(tokenizer),
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=512,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+    ).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    assert isinstance(inspect_checkpoint(folder)[0], FallbackSpec)
+    _, reports, rows = _run(
+        examples,
+        "function.toml",
+        "gpt2",
+        **{
+            "steps = 6": "steps = 2",
+            '"models/policy"': '"models/gpt2"',
+            "eval = ": "# eval = ",
+            "eval_every = ": "# eval_every = ",
+        },
+    )
+    assert [r["train"]["version"] for r in reports] == [1, 2]
+    assert [r["policy_version"] for r in reports] == [0, 1]  # step 1 sampled the new weights
+    assert len(rows) == 2 * 8 * 4 and all(r["failure"] is None for r in rows)
+    for report in reports:
+        scored = [r["score"] for r in rows if r["step"] == report["step"]]
+        assert report["scores"]["reward_mean"] == pytest.approx(sum(scored) / len(scored))
