@@ -28,6 +28,7 @@ from typing import Any, NamedTuple, Protocol
 import msgspec
 
 from pivot.actors.agent import RoleAgent, Stepping, WeightLoader
+from pivot.actors.checkpoints import Checkpoints
 from pivot.actors.controller import Controller, ControllerSettings
 from pivot.actors.driver import Driver, StepReport
 from pivot.actors.journal import Journal
@@ -155,6 +156,10 @@ class DriverOptions:
     train_timeout: float = 600.0
     evaluation: Source | None = None
     eval_every: int = 0
+    # a real job's checkpoints, and where a resumed one starts (pivot.actors.checkpoints)
+    checkpoints: Checkpoints | None = None
+    first_step: int = 0
+    policy_version: int = 0
 
 
 @dataclass(frozen=True)
@@ -277,6 +282,9 @@ def assemble(
         trainer=TRAINER,
         evaluation=driver.evaluation,
         eval_every=driver.eval_every,
+        checkpoints=driver.checkpoints,
+        first_step=driver.first_step,
+        policy_version=driver.policy_version,
         on_step=driver.on_step,
         # step timings mean something once rollout serves (every agent in this process, or
         # supervised, has registered before the driver starts anyway)

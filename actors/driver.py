@@ -22,7 +22,8 @@ in order. Step reports' ``seconds`` run from submission to trained; steps may ov
 run lasts from the first step's start to the last step's end, not the sum.
 
     Driver(name, bus, *, source, steps, rollout_scheduler, reward_scheduler=None,
-           trainer=None, evaluation=None, eval_every=0, staleness=0, on_step=None, replicas=None, on_batch_ready=None,
+           trainer=None, evaluation=None, eval_every=0, checkpoints=None, first_step=0,
+           policy_version=0, staleness=0, on_step=None, replicas=None, on_batch_ready=None,
            before_first_step=None, startup_timeout=300.0, request_timeout=30.0,
            train_timeout=600.0)
         .reports, .finished (asyncio.Event), .policy_version
@@ -36,6 +37,7 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 
+from pivot.actors.checkpoints import Checkpoints, CheckpointState
 from pivot.actors.messages import (
     Ack,
     Completed,
@@ -110,6 +112,7 @@ class StepReport(msgspec.Struct, frozen=True, kw_only=True):
     rollout_by_replica: dict[str, int]
     reward_by_replica: dict[str, int]
     train: dict | None = None  # the trainer's statistics of this step (None: not trained)
+    checkpoint: str | None = None  # the checkpoint folder written after this step
     eval: EvalReport | None = None  # the evaluation run after this step, when one was due
     # deliveries of this step's responses or judgments after the first (ignored; a healthy
     # run has none: each sequence is owned by one replica at a time)
@@ -145,6 +148,9 @@ class Driver(Actor):
         trainer: str | None = None,
         evaluation: Source | None = None,
         eval_every: int = 0,
+        checkpoints: Checkpoints | None = None,
+        first_step: int = 0,
+        policy_version: int = 0,
         staleness: int = 0,
         on_step: Callable[[StepReport], None] | None = None,
         replicas: dict[str, int] | None = None,
@@ -177,14 +183,16 @@ class Driver(Actor):
         self.on_batch_ready = on_batch_ready
         # e.g. wait until the Controller has recovered its allocation
         self.before_first_step = before_first_step
-        self.policy_version = 0
+        # a resumed run starts at ``first_step`` with the checkpoint's policy version
+        self.checkpoints = checkpoints
+        self.policy_version = policy_version
         self.reports: list[StepReport] = []
         self.finished = asyncio.Event()
-        self._batches = [_Batch(k, source) for k in range(steps)]
+        self._batches = [_Batch(k, source) for k in range(first_step, steps)]
         self._eval_batch: _Batch | None = None  # the evaluation in flight
         self._owner: dict[int, _Batch] = {}  # sequence -> its batch, until the batch trained
         self._submitted = 0
-        self._trained = 0  # steps done (trained, with a trainer)
+        self._trained = first_step  # steps done (trained, with a trainer)
         self._progress = asyncio.Event()  # a step was done
         # completions of no batch in flight (a late delivery after its batch trained)
         self.unknown_completions = 0
@@ -309,13 +317,26 @@ class Driver(Actor):
                 self.log.warning(
                     "no sample of the step can train: every reward failed", step=batch.step
                 )
+            saved = None
             if self.trainer is not None and request is not None:
                 if self.on_batch_ready is not None:
                     await self.on_batch_ready()
+                due = self.checkpoints is not None and self.checkpoints.due(batch.step)
+                if due:
+                    staged = self.checkpoints.stage(batch.step)
+                    request = msgspec.structs.replace(request, checkpoint=str(staged))
                 reply = await self.request(self.trainer, request, timeout=self.train_timeout)
                 stats = getattr(reply, "stats", reply)
                 train = msgspec.to_builtins(stats)
                 self.policy_version = int(getattr(stats, "version", 0))
+                if due:
+                    saved = self.checkpoints.commit(
+                        CheckpointState(
+                            step=batch.step,
+                            policy_version=self.policy_version,
+                            next_step=batch.step + 1,
+                        )
+                    )
             trained_at = self.clock.now()
             self._release(batch)
             evaluation = None
@@ -324,6 +345,8 @@ class Driver(Actor):
             ):
                 evaluation = await self._evaluate(batch.step)
             report = self._report(batch, scored_at, trained_at, train, evaluation)
+            if saved is not None:
+                report = msgspec.structs.replace(report, checkpoint=str(saved.folder))
             batch.samples = {}
             self._trained += 1
             self._progress.set()

@@ -5,7 +5,7 @@ host store; the trainer is a DeepSpeed group on gloo, one rank per trainer devic
 writing each new policy to that store.
 
     ProcessBackend(directory, *, checkpoints, store, router, max_running, threads, seed,
-                   training, rendezvous_dir)
+                   training, rendezvous_dir, resume=None)
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ class ProcessBackend:
     the GPS host store's name (the trainer creates it, rollout engines read it).
     ``router``: a fresh router per scheduler start. ``seed``: the job's; each agent's engines
     sample from ``seed * 1000 + device``. ``rendezvous_dir``: where the trainer ranks meet.
+    ``resume``: a checkpoint's trainer state to continue from (the rollout checkpoint is then
+    that checkpoint's policy folder).
     """
 
     def __init__(
@@ -45,6 +47,7 @@ class ProcessBackend:
         seed: int,
         training: TrainingSettings,
         rendezvous_dir: Path,
+        resume: Path | None = None,
     ) -> None:
         self.directory = directory
         self.checkpoints = dict(checkpoints)
@@ -55,6 +58,7 @@ class ProcessBackend:
         self.seed = seed
         self.training = training
         self.rendezvous_dir = rendezvous_dir
+        self.resume = resume
 
     def router(self, role: Role) -> Router:
         return self._router(role)
@@ -94,4 +98,5 @@ class ProcessBackend:
             settings=self.training,
             threads=self.threads,
             controller=controller,
+            resume=self.resume,
         )

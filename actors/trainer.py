@@ -70,6 +70,7 @@ class TrainResult(msgspec.Struct, frozen=True, kw_only=True):
     stats: TrainStats
     gps_version: int | None
     gps_write_s: float = 0.0
+    checkpoint_s: float = 0.0  # saving the checkpoint the batch asked for
 
 
 class TrainingBackend(Protocol):
@@ -240,6 +241,7 @@ class Trainer(Actor):
             stats=stats,
             gps_version=result.gps_version,
             gps_write_s=result.gps_write_s,
+            checkpoint_s=result.checkpoint_s,
         )
 
     async def _wait_for_pool(self) -> None:

@@ -41,6 +41,7 @@ import hashlib
 import importlib
 import logging
 import os
+import shutil
 import sys
 import threading
 import time
@@ -72,6 +73,19 @@ from pivot.grpo import (
 #: How long a collective may wait; followers wait for the next command in one, and a
 #: batch can take a long time to roll out and score.
 COMMAND_TIMEOUT = datetime.timedelta(days=7)
+# DeepSpeed's name for the one state a checkpoint folder holds (it keeps tags side by side)
+TRAINER_TAG = "state"
+# what a Hugging Face folder holds beside the weights for its tokenizer
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+)
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
 
 
@@ -153,6 +167,7 @@ class DeepSpeedTrainer:
         settings: TrainingSettings | None = None,
         *,
         clock: Callable[[], float] = time.perf_counter,
+        resume: str | Path | None = None,
     ) -> None:
         import torch.distributed as dist
         from transformers import AutoConfig
@@ -200,6 +215,8 @@ class DeepSpeedTrainer:
             ).eval()
             self._reference.requires_grad_(False)
         self._version = 0
+        if resume is not None:
+            self._resume(Path(resume))
         self._offloaded = False
         # what exists now lives as long as the process: keep it out of the collector's way.
         # DeepSpeed's offload_states runs gc.collect three times, ~0.8 s each over the
@@ -234,6 +251,50 @@ class DeepSpeedTrainer:
                 if self.rank == 0:
                     with torch.no_grad():
                         param.copy_(tensors[name])
+
+    def _resume(self, folder: Path) -> None:
+        """Optimizer, scheduler and the rank's RNG from a checkpoint ``save`` wrote; the
+        model was built from that checkpoint's policy folder already."""
+        path, state = self.engine.load_checkpoint(
+            str(folder), tag=TRAINER_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        if path is None:
+            raise ValueError(f"{folder}: no DeepSpeed checkpoint tagged {TRAINER_TAG!r}")
+        self._version = int(state["version"])
+        torch.set_rng_state(state["rng"][self.rank])
+
+    def save(self, folder: Path) -> None:
+        """A checkpoint of this step into ``folder`` (every rank calls it: under ZeRO-3 the
+        export gathers, and DeepSpeed writes each rank's optimizer partition): ``policy/``,
+        the weights as a Hugging Face folder any causal-LM loader reads (config, safetensors,
+        generation config and the tokenizer files of the folder trained from), and
+        ``trainer/``, DeepSpeed's checkpoint with optimizer and scheduler state."""
+        import torch.distributed as dist
+
+        if self._offloaded:
+            raise TrainerOffloaded("the trainer's state is offloaded: reload before saving")
+        tensors = self.export()
+        if self.rank == 0:
+            policy = folder / "policy"
+            self.engine.module.save_pretrained(
+                policy, state_dict={k: v.contiguous() for k, v in tensors.items()}
+            )
+            for name in TOKENIZER_FILES:
+                source = Path(self.checkpoint) / name
+                if source.is_file():
+                    shutil.copyfile(source, policy / name)
+        # the test kit's fault: a trainer that dies with the policy written, the rest not
+        crash_here = os.environ.get("PIVOT_FAULT") == f"crash-in-checkpoint:{self._version}"
+        if crash_here and self.rank == 0:
+            os._exit(70)
+        rngs: list[Any] = [None] * self.world_size
+        dist.all_gather_object(rngs, torch.get_rng_state())
+        self.engine.save_checkpoint(
+            str(folder / "trainer"),
+            tag=TRAINER_TAG,
+            client_state={"version": self._version, "rng": rngs},
+            save_latest=False,
+        )
 
     # -- TrainingEngine
 
@@ -376,6 +437,7 @@ class RankCommand:
     kind: str
     batch: GRPOBatch | None = None
     publish: bool = False
+    checkpoint: str = ""  # train: then save a checkpoint into this folder
 
 
 class RankGroup:
@@ -394,6 +456,7 @@ class RankGroup:
         # it for the next batch
         self._group = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
         self.last_write_s = 0.0
+        self.last_checkpoint_s = 0.0
 
     def _exchange(self, command: RankCommand | None) -> RankCommand:
         import torch.distributed as dist
@@ -426,6 +489,10 @@ class RankGroup:
             stats = engine.train_step(command.batch)
             if command.publish:
                 self._publish(stats.version)
+            if command.checkpoint:
+                started = time.perf_counter()
+                engine.save(Path(command.checkpoint))
+                self.last_checkpoint_s = time.perf_counter() - started
             return stats
         if command.kind == "publish":
             self._publish(engine.version)
@@ -502,25 +569,27 @@ class DeepSpeedBackend:
             # version 0, the checkpoint: a replica that shifts up before the first step reads it
             await self._lead(RankCommand("publish"))
 
-    async def prepare(self, msg: TrainBatch | SimTrainBatch) -> GRPOBatch:
+    async def prepare(self, msg: TrainBatch | SimTrainBatch) -> RankCommand:
         if not isinstance(msg, TrainBatch):
             raise TypeError(f"a DeepSpeed trainer takes TrainBatch, not {type(msg).__name__}")
         engine = self.engine
-        return build_batch(
+        batch = build_batch(
             msg.samples,
             pad_id=engine.pad_id,
             advantage_eps=engine.settings.advantage_eps,
             vocab_size=engine.config.vocab_size,
             max_len=engine.config.max_position_embeddings,
         )
-
-    async def train(self, batch: GRPOBatch) -> TrainResult:
         publish = self.group.store is not None
-        stats: TrainStats = await self._lead(RankCommand("train", batch, publish=publish))
-        if not publish:
-            return TrainResult(stats=stats, gps_version=None)
+        return RankCommand("train", batch, publish=publish, checkpoint=msg.checkpoint)
+
+    async def train(self, command: RankCommand) -> TrainResult:
+        stats: TrainStats = await self._lead(command)
         return TrainResult(
-            stats=stats, gps_version=stats.version, gps_write_s=self.group.last_write_s
+            stats=stats,
+            gps_version=stats.version if command.publish else None,
+            gps_write_s=self.group.last_write_s if command.publish else 0.0,
+            checkpoint_s=self.group.last_checkpoint_s if command.checkpoint else 0.0,
         )
 
     async def offload(self) -> float:
@@ -601,6 +670,7 @@ def trainer_rank(
     settings: dict[str, Any] | None = None,
     threads: int = 1,
     controller: str | None = None,
+    resume: str | None = None,
 ) -> Actor:
     """Factory for ``Supervisor.add_process``: rank ``rank`` of a trainer group training the
     Hugging Face checkpoint ``checkpoint``. Rank 0 returns the ``Trainer`` (and, with
@@ -621,6 +691,7 @@ def trainer_rank(
             settings=settings,
             threads=threads,
             controller=controller,
+            resume=resume,
         )
 
 
@@ -651,11 +722,12 @@ def _trainer_rank(
     settings: dict[str, Any] | None,
     threads: int,
     controller: str | None,
+    resume: str | None,
 ) -> Actor:
     torch.set_num_threads(threads)
     training = convert(settings or {}, TrainingSettings, "trainer settings")
     init_process_group(rank, world_size, rendezvous)
-    engine = DeepSpeedTrainer(checkpoint, training)
+    engine = DeepSpeedTrainer(checkpoint, training, resume=resume)
     store = None
     if rank == 0 and store_name is not None:
         from pivot.actors.param_store import ParameterStore
@@ -682,6 +754,7 @@ def trainer_group(
     controller: str | None = None,
     policy: RestartPolicy | None = None,
     ready_timeout: float = 600.0,
+    resume: str | Path | None = None,
 ) -> list[tuple[str, ChildProcess]]:
     """The child processes of every rank of a trainer group, by actor name (``trainer_names``,
     each of which ``directory`` must hold), in the order to supervise them.
@@ -692,7 +765,9 @@ def trainer_group(
     quit. ``controller``: see ``Trainer`` (None: a batch that finds the pool lent reloads
     at once). ``policy`` defaults to no restart: one restarted rank cannot rejoin a group, so a
     crash stops the job. ``ready_timeout`` covers imports, the rendezvous and loading the
-    model (plus the FusedAdam JIT build at ZeRO-3 the first time).
+    model (plus the FusedAdam JIT build at ZeRO-3 the first time). ``resume``: a checkpoint's
+    ``trainer/`` folder (``DeepSpeedTrainer.save``) whose optimizer state and version the
+    group continues from; ``checkpoint`` is then that checkpoint's ``policy/``.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, found {world_size}")
@@ -721,6 +796,7 @@ def trainer_group(
                     "settings": settings_dict,
                     "threads": threads,
                     "controller": controller if rank == 0 else None,
+                    "resume": str(Path(resume).absolute()) if resume is not None else None,
                 },
                 env=env,
                 ready_timeout=ready_timeout,

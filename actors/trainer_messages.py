@@ -22,6 +22,8 @@ class TrainBatch(RLMessage, kw_only=True):
 
     samples: list[RolloutSample]
     step: int = -1
+    # after the step, save a checkpoint into this folder (DeepSpeedTrainer.save); "": none
+    checkpoint: str = ""
 
 
 class SimTrainBatch(RLMessage, kw_only=True):
@@ -41,6 +43,7 @@ class Trained(RLMessage, kw_only=True):
     stats: TrainStats
     gps_version: int | None = None
     gps_write_s: float = 0.0
+    checkpoint_s: float = 0.0  # the checkpoint the batch asked for, written before the reply
 
 
 class OffloadTrainer(RLMessage, kw_only=True):

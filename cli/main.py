@@ -78,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="override the config's deployment.kind",
     )
+    p.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        default=None,
+        help="continue RUN_DIR after its last complete checkpoint, with its config",
+    )
     p.set_defaults(func=_cmd_run)
 
     from pivot.cli import newmodel, simulate

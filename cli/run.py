@@ -37,6 +37,7 @@ from pivot.actors.assembly import (
     assemble,
     trainer_names,
 )
+from pivot.actors.checkpoints import Checkpoint
 from pivot.actors.controller import ControllerSettings, open_journal
 from pivot.actors.driver import Scores, StepReport
 from pivot.actors.monitor import Monitor
@@ -48,6 +49,7 @@ from pivot.bus import Bus, Directory, RestartPolicy, Supervisor, configure_loggi
 from pivot.cli.inputs import EVAL_IDS, Inputs, read_inputs
 from pivot.cli.live import LiveView
 from pivot.cli.plot import plot_run
+from pivot.cli.resume import checkpoints_of, resume_point, rewind
 from pivot.cluster import Role, RoleSpec
 from pivot.config import ConfigError, load_toml
 from pivot.deployment import DeploymentKind
@@ -106,11 +108,16 @@ class Job:
         run_dir: Path,
         console,  # noqa: ANN001 - a rich Console
         view: LiveView | None = None,
+        resume: Checkpoint | None = None,
     ) -> None:
         self.job = job
         self.policy = policy
         self.genrm = genrm
         self.inputs = inputs
+        # a resumed run: the policy is the checkpoint's, and so is the trainer's state
+        self.resume = resume
+        if resume is not None:
+            self.policy = resume.policy
         self.run_dir = run_dir
         self.console = console
         self.view = view
@@ -138,6 +145,7 @@ class Job:
             seed=self.job.seed,
             training=self.job.training,
             rendezvous_dir=self.sockets,
+            resume=resume.trainer if resume is not None else None,
         )
 
     def _names(self) -> list[str]:
@@ -224,6 +232,14 @@ class Job:
                 wait_for_controller=True,
                 evaluation=evaluation,
                 eval_every=job.data.eval_every,
+                checkpoints=checkpoints_of(
+                    run_dir,
+                    every=job.checkpoint.every,
+                    keep=job.checkpoint.keep,
+                    last_step=self.inputs.steps - 1,
+                ),
+                first_step=self.resume.state.next_step if self.resume else 0,
+                policy_version=self.resume.state.policy_version if self.resume else 0,
             ),
             control=Control(
                 settings=ControllerSettings(
@@ -416,8 +432,22 @@ def main(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    job, policy, genrm, inputs = prepare(args.config, seed=args.seed, deployment=args.deployment)
-    run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir()
+    resume = None
+    config = args.config
+    if args.resume:
+        run_dir = Path(args.resume)
+        resume = resume_point(run_dir)
+        if (run_dir / "config.toml").is_file():
+            config = str(run_dir / "config.toml")
+    job, policy, genrm, inputs = prepare(config, seed=args.seed, deployment=args.deployment)
+    if resume is not None:
+        check_model(resume.policy)
+        if resume.state.next_step >= inputs.steps:
+            print(f"{run_dir}: every step of {inputs.steps} is done; nothing to resume")
+            return 0
+        cut = rewind(run_dir, resume, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    else:
+        run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
     console = Console(soft_wrap=True)
     c, d = job.cluster, job.deployment
@@ -435,6 +465,12 @@ def main(args: argparse.Namespace) -> int:
         f"deployment {d.kind}; torch engines and DeepSpeed over nng ipc://\n{inputs.data_line}\n"
         f"run dir: {run_dir}"
     )
+    if resume is not None:
+        console.print(
+            f"resuming from {resume.folder} (policy v{resume.state.policy_version}) at step "
+            f"{resume.state.next_step}"
+            + (f"; cut steps {cut} from metrics.jsonl (run again)" if cut else "")
+        )
     started = time.perf_counter()
     allocation: dict[str, int] = {"training": ranks}
     for device in deployment.agent_devices:
@@ -447,7 +483,9 @@ def main(args: argparse.Namespace) -> int:
         allocation,
         fixed={} if deployment.lends_trainer else {"training": ranks},
     )
-    runner = Job(job, policy, genrm, inputs, run_dir, console, view)
+    if resume is not None:
+        view.done = resume.state.next_step
+    runner = Job(job, policy, genrm, inputs, run_dir, console, view, resume=resume)
     try:
         with logs_to(run_dir / "actors.log"), Live(view, console=console, refresh_per_second=4):
             reports, monitor = run_real(runner.run())

@@ -124,6 +124,16 @@ class RewardSection(ConfigStruct):
     max_new_tokens: PositiveInt = 24
 
 
+class CheckpointSection(ConfigStruct):
+    """``every``: a checkpoint after every N-th step (0: only the last); the last step always
+    gets one. ``keep``: the newest complete checkpoints kept (0: all). Each is the policy as a
+    Hugging Face folder and the trainer's state (``pivot.actors.checkpoints``);
+    ``pivot run --resume RUN_DIR`` continues after the last complete one."""
+
+    every: NonNegativeInt = 0
+    keep: NonNegativeInt = 2
+
+
 class LogSection(ConfigStruct):
     """``samples``: write every scored sample (texts, token ids, the GenRM's prompt ids and
     judgment, score or failure) to samples.jsonl in the run folder."""
@@ -155,6 +165,7 @@ class JobConfig(ConfigStruct):
     reward: RewardSection = RewardSection()
     training: TrainingSettings = TrainingSettings()
     control: ControlSection = ControlSection()
+    checkpoint: CheckpointSection = CheckpointSection()
     log: LogSection = LogSection()
 
     @property

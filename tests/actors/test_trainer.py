@@ -536,6 +536,49 @@ async def test_a_bad_batch_is_refused_and_the_group_keeps_serving(group: Group) 
 
 
 @ON_GROUP
+async def test_a_checkpoint_is_a_policy_transformers_loads_and_the_trainer_state(
+    group: Group, tmp_path: Path
+) -> None:
+    """After the step, the policy as a Hugging Face folder (the step's weights, which GPS
+    holds too) that transformers and pivot's engine generate the same greedy tokens from,
+    and DeepSpeed's state with the optimizer, for a resumed group to continue."""
+    from transformers import AutoModelForCausalLM
+
+    from pivot.engines.protocol import SamplingParams
+    from pivot.engines.stepping import generate
+
+    folder = tmp_path / "checkpoint"
+    trained = await group.ask(
+        TrainBatch(samples=group.samples, step=7, checkpoint=str(folder)), expect=Trained
+    )
+    assert trained.checkpoint_s > 0
+    version, weights = group.read_gps()
+    assert version == trained.stats.version
+    model = AutoModelForCausalLM.from_pretrained(folder / "policy", dtype=torch.float32).eval()
+    saved = model.state_dict()
+    assert set(saved) == set(weights)
+    for name, tensor in weights.items():
+        assert torch.equal(saved[name], tensor), name
+    codec = TextCodec.from_dir(folder / "policy")  # the tokenizer travelled with it
+    prompts = [codec.encode(p) for p in ("12+34=", "5+5=", "99+1=")]
+    engine = TorchEngine.from_pretrained(folder / "policy", max_running=4)
+    ours = generate(engine, prompts, SamplingParams(max_new_tokens=24, temperature=0.0))
+    for prompt, finished in zip(prompts, ours, strict=True):
+        reference = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=24,
+            eos_token_id=codec.eos_id,
+            pad_token_id=codec.padding_id,
+        )[0, len(prompt) :].tolist()
+        assert list(finished.token_ids) == reference
+    state = folder / "trainer" / "state"
+    assert list(state.glob("*model_states.pt"))
+    assert len(list(state.glob("*optim_states.pt"))) == WORLD  # one partition per rank
+
+
+@ON_GROUP
 async def test_stopping_the_supervisor_ends_every_rank(group: Group) -> None:
     pids = [group.supervisor.pid(name) for name in trainer_names("trainer", WORLD)]
     await group.supervisor.stop()
