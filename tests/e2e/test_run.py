@@ -284,14 +284,8 @@ def _is_agent(pid: int) -> bool:
         return False
 
 
-def test_a_resumed_run_gives_the_uninterrupted_runs_steps(fixed_run, tmp_path):
-    """Six steps with a checkpoint every 2, stopped by SIGINT once step 2 is reported (the
-    last checkpoint follows step 1), resumed with --resume: every step equals the
-    uninterrupted disaggregated run's (same seed and config; its first six steps), rewards
-    exactly and losses to 1e-6, and no step is reported twice. A checkpoint torn by a
-    crash while it was written is ignored: the resume starts from the one before."""
-    import signal
-
+def _resume_config(tmp_path: Path) -> Path:
+    """The fixed run's job, six steps, a checkpoint every two."""
     config = tmp_path / "job.toml"
     config.write_text(
         CONFIG.format(policy="tiny-policy", genrm="tiny-genrm").replace(
@@ -299,7 +293,41 @@ def test_a_resumed_run_gives_the_uninterrupted_runs_steps(fixed_run, tmp_path):
         )
         + "[deployment]\nkind = 'disaggregated'\n[checkpoint]\nevery = 2\n"
     )
-    run_dir = tmp_path / "run"
+    return config
+
+
+def _resume(config: Path, run_dir: Path) -> tuple[list[dict], dict]:
+    resumed = subprocess.run(
+        [*PIVOT, "run", str(config), "--resume", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert "resuming from" in resumed.stdout and "step-000001" in resumed.stdout
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    [resume] = [r for r in records if r.get("type") == "resume"]
+    return [r for r in records if r.get("type", "step") == "step"], resume
+
+
+def _same_steps(steps: list[dict], reference: list[dict]) -> None:
+    """Step for step what the uninterrupted run reported: rewards exactly, losses to 1e-6."""
+    assert [r["step"] for r in steps] == list(range(6))  # none twice
+    assert [r["scores"] for r in steps] == [r["scores"] for r in reference]
+    assert [r["response_tokens"] for r in steps] == [r["response_tokens"] for r in reference]
+    for ours, theirs in zip(steps, reference, strict=True):
+        assert ours["train"]["loss"] == pytest.approx(theirs["train"]["loss"], abs=1e-6)
+        assert ours["train"]["version"] == theirs["train"]["version"]
+
+
+def test_a_resumed_run_gives_the_uninterrupted_runs_steps(fixed_run, tmp_path):
+    """Six steps with a checkpoint every 2, stopped by SIGINT once step 2 is reported (the
+    last checkpoint follows step 1), resumed with --resume: every step equals the
+    uninterrupted disaggregated run's (same seed and config; its first six steps), and no
+    step is reported twice."""
+    import signal
+
+    config, run_dir = _resume_config(tmp_path), tmp_path / "run"
     proc = subprocess.Popen(
         [*PIVOT, "run", str(config), "--run-dir", str(run_dir)],
         stdout=subprocess.PIPE,
@@ -316,30 +344,36 @@ def test_a_resumed_run_gives_the_uninterrupted_runs_steps(fixed_run, tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130, rest[-2000:]
-    # a checkpoint torn by a crash: staged, never renamed
-    torn = run_dir / "checkpoints" / ".partial-step-000003"
-    (torn / "policy").mkdir(parents=True)
-    (torn / "policy" / "model.safetensors").write_bytes(b"torn")
-    resumed = subprocess.run(
-        [*PIVOT, "run", str(config), "--resume", str(run_dir)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
-    assert "resuming from" in resumed.stdout and "step-000001" in resumed.stdout
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if r.get("type", "step") == "step"]
-    [resume] = [r for r in records if r.get("type") == "resume"]
-    assert resume["next_step"] == 2 and 2 in resume["cut_steps"]
-    assert [r["step"] for r in steps] == list(range(6))  # none twice
-    reference = fixed_run.reports[:6]
-    assert [r["scores"] for r in steps] == [r["scores"] for r in reference]
-    assert [r["response_tokens"] for r in steps] == [r["response_tokens"] for r in reference]
-    for ours, theirs in zip(steps, reference, strict=True):
-        assert ours["train"]["loss"] == pytest.approx(theirs["train"]["loss"], abs=1e-6)
-        assert ours["train"]["version"] == theirs["train"]["version"]
+    steps, resume = _resume(config, run_dir)
+    assert resume["next_step"] == 2 and resume["cut_steps"] == [2]
+    _same_steps(steps, fixed_run.reports[:6])
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) == [
         "step-000003",
         "step-000005",
     ]  # keep = 2
+
+
+def test_a_crash_while_a_checkpoint_is_written_leaves_the_one_before(fixed_run, tmp_path):
+    """The trainer dies mid-checkpoint after step 3 (the test kit's fault, PIVOT_FAULT): the
+    job fails, the torn checkpoint is never complete, the one after step 1 still is, and
+    --resume from it gives the uninterrupted run's steps."""
+    import os
+
+    from pivot.actors.checkpoints import Checkpoints
+
+    config, run_dir = _resume_config(tmp_path), tmp_path / "run"
+    crashed = subprocess.run(
+        [*PIVOT, "run", str(config), "--run-dir", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PIVOT_FAULT": "crash-in-checkpoint:4"},  # version 4: after step 3
+    )
+    assert crashed.returncode != 0
+    root = run_dir / "checkpoints"
+    assert (root / ".partial-step-000003" / "policy" / "model.safetensors").is_file()  # torn
+    done = Checkpoints(root, every=2, keep=2, last_step=5).complete()
+    assert [c.state.step for c in done] == [1]
+    steps, resume = _resume(config, run_dir)
+    assert resume["next_step"] == 2
+    _same_steps(steps, fixed_run.reports[:6])
