@@ -533,4 +533,10 @@ def main(args: argparse.Namespace) -> int:
         + (f"journal {run_dir / 'shift.journal'}, " if d.kind != "disaggregated" else "")
         + f"logs {run_dir / 'actors.log'}"
     )
+    saved = [r.checkpoint for r in reports if r.checkpoint]
+    if saved:
+        console.print(
+            f"checkpoint {saved[-1]} (its policy/ is a Hugging Face folder; continue a stopped "
+            f"run with pivot run --resume {run_dir})"
+        )
     return 0
