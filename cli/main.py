@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -25,6 +26,11 @@ def _cmd_version(args: argparse.Namespace) -> int:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from pivot.cli import run
+
+    if "=" in args.config and not os.path.exists(args.config):
+        # `pivot run key=value ...`: the default config, overridden
+        args.overrides.insert(0, args.config)
+        args.config = DEFAULT_CONFIG
 
     return run.main(args)
 
@@ -69,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run an RL job from a TOML config")
     p.add_argument("config", nargs="?", default=DEFAULT_CONFIG, help=f"default {DEFAULT_CONFIG}")
     p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="set a config key, e.g. training.lr=2e-4 (the value TOML; a bare word a string)",
+    )
+    p.add_argument(
         "--run-dir", default=None, help="where logs and metrics go (default runs/<time>)"
     )
     p.add_argument("--seed", type=int, default=None, help="override the config's seed")
@@ -78,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="override the config's deployment.kind",
     )
+    p.add_argument("--resume", metavar="RUN_DIR", default=None, help="continue the run in RUN_DIR")
     p.set_defaults(func=_cmd_run)
 
     from pivot.cli import newmodel, simulate
@@ -109,7 +122,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # argparse ends a positional list at the first flag: `pivot run C --seed 1 k=v` leaves
+        # k=v over; it is an override like those before the flag
+        if isinstance(getattr(args, "overrides", None), list) and not any(
+            a.startswith("-") for a in extra
+        ):
+            args.overrides.extend(extra)
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
     except ConfigError as exc:

@@ -19,7 +19,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import msgspec
@@ -48,9 +48,9 @@ from pivot.bus import Bus, Directory, RestartPolicy, Supervisor, configure_loggi
 from pivot.cli.inputs import EVAL_IDS, Inputs, read_inputs
 from pivot.cli.live import LiveView
 from pivot.cli.plot import plot_run
+from pivot.cli.runconfig import flag_overrides, refuse_existing_run, write_run_config
 from pivot.cluster import Role, RoleSpec
-from pivot.config import ConfigError, load_toml
-from pivot.deployment import DeploymentKind
+from pivot.config import ConfigError, blame_overrides, load_toml
 from pivot.engines.checkpoint import inspect_checkpoint
 from pivot.engines.protocol import SamplingParams
 from pivot.engines.tokenizer import TextCodec
@@ -341,22 +341,20 @@ def scores_text(scores: Scores) -> str:
 def prepare(
     config: str,
     *,
+    overrides: Sequence[str] = (),
     seed: int | None = None,
     deployment: str | None = None,
     steps: int | None = None,
 ) -> tuple[JobConfig, Path, Path | None, Inputs]:
-    """The job's config with command-line overrides, validated, its model folders, its data
-    and its reward code, all read before any child process starts."""
-    job = load_toml(config, JobConfig)
-    if seed is not None:
-        job = msgspec.structs.replace(job, seed=seed)
-    if steps is not None:
-        job = msgspec.structs.replace(job, steps=steps)
-    if deployment is not None:
-        job = msgspec.structs.replace(
-            job, deployment=msgspec.structs.replace(job.deployment, kind=DeploymentKind(deployment))
-        )
-    job.validate(config)
+    """The job's config with command-line overrides (``key=value``; the flags are overrides
+    too, applied last), validated, its model folders, its data and its reward code, all read
+    before any child process starts."""
+    overrides = [*overrides, *flag_overrides(seed=seed, deployment=deployment, steps=steps)]
+    job = load_toml(config, JobConfig, overrides)
+    try:
+        job.validate(config)
+    except ConfigError as exc:
+        raise blame_overrides(exc, overrides) from None
     policy = resolve_model(job.model.policy, config, "model.policy")
     genrm = (
         resolve_model(job.model.genrm, config, "model.genrm")
@@ -416,9 +414,14 @@ def main(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    job, policy, genrm, inputs = prepare(args.config, seed=args.seed, deployment=args.deployment)
+    if args.resume is not None:
+        raise ConfigError("pivot run", "--resume", "not yet supported", f"--resume {args.resume}")
     run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir()
+    refuse_existing_run(run_dir)
+    overrides = [*args.overrides, *flag_overrides(seed=args.seed, deployment=args.deployment)]
+    job, policy, genrm, inputs = prepare(args.config, overrides=overrides)
     run_dir.mkdir(parents=True, exist_ok=True)
+    write_run_config(run_dir, job, args.config, overrides)
     console = Console(soft_wrap=True)
     c, d = job.cluster, job.deployment
     deployment = job.plan()
@@ -447,8 +450,8 @@ def main(args: argparse.Namespace) -> int:
         allocation,
         fixed={} if deployment.lends_trainer else {"training": ranks},
     )
-    runner = Job(job, policy, genrm, inputs, run_dir, console, view)
     try:
+        runner = Job(job, policy, genrm, inputs, run_dir, console, view)
         with logs_to(run_dir / "actors.log"), Live(view, console=console, refresh_per_second=4):
             reports, monitor = run_real(runner.run())
     except KeyboardInterrupt:
