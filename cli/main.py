@@ -93,9 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", metavar="RUN_DIR", default=None, help="continue the run in RUN_DIR")
     p.set_defaults(func=_cmd_run)
 
-    from pivot.cli import newmodel, simulate
+    from pivot.cli import journal, newmodel, simulate
 
     simulate.add_parser(sub)
+    journal.add_parser(sub)
     newmodel.add_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks that print numbers")

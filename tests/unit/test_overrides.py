@@ -42,7 +42,11 @@ def test_values_are_toml_and_a_bare_word_is_a_string():
 def test_later_overrides_win_and_the_file_is_not_changed():
     raw = {"seed": 1, "training": {"lr": 1.0}}
     merged = apply_overrides(raw, ["seed=2", "seed=3", "control.planner.horizon_s=9.0"])
-    assert merged == {"seed": 3, "training": {"lr": 1.0}, "control": {"planner": {"horizon_s": 9.0}}}
+    assert merged == {
+        "seed": 3,
+        "training": {"lr": 1.0},
+        "control": {"planner": {"horizon_s": 9.0}},
+    }
     assert raw == {"seed": 1, "training": {"lr": 1.0}}
 
 
@@ -51,7 +55,10 @@ def test_later_overrides_win_and_the_file_is_not_changed():
     [
         ("training.lrr=1", "override training.lrr: key 'training.lrr': expected no such key"),
         ("training.lr=abc", "override training.lr: key 'training.lr': expected float, found str"),
-        ("training.lr=-1.0", "override training.lr: key 'training.lr': expected float > 0.0, found float -1.0"),
+        (
+            "training.lr=-1.0",
+            "override training.lr: key 'training.lr': expected float > 0.0, found float -1.0",
+        ),
         ("deployment.kind=colo", "override deployment.kind: key 'deployment.kind': expected one"),
         ("seed.x=1", "override seed.x: key 'seed': expected a table, found int 1"),
         ("seed", "override seed: expected key.path=value"),
