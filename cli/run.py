@@ -49,6 +49,7 @@ from pivot.cli.inputs import EVAL_IDS, Inputs, read_inputs
 from pivot.cli.live import LiveView
 from pivot.cli.plot import plot_run
 from pivot.cli.runconfig import flag_overrides, refuse_existing_run, write_run_config
+from pivot.cli.tracking import NoTracker, Tracker, open_tracker
 from pivot.cluster import Role, RoleSpec
 from pivot.config import ConfigError, blame_overrides, load_toml
 from pivot.engines.checkpoint import inspect_checkpoint
@@ -106,6 +107,7 @@ class Job:
         run_dir: Path,
         console,  # noqa: ANN001 - a rich Console
         view: LiveView | None = None,
+        tracker: Tracker | NoTracker | None = None,
     ) -> None:
         self.job = job
         self.policy = policy
@@ -114,6 +116,7 @@ class Job:
         self.run_dir = run_dir
         self.console = console
         self.view = view
+        self.tracker = tracker or NoTracker()
         self.deployment = job.plan()
         self.assembly: Assembly | None = None
         # ipc paths must stay under ~100 bytes: sockets live in a short temporary folder
@@ -160,6 +163,7 @@ class Job:
         def on_step(report: StepReport) -> None:
             metrics.write(msgspec.json.encode(report) + b"\n")
             metrics.flush()
+            self.tracker.on_step(report)
             if dump is not None:
                 dump.flush()
             loss = f" loss {report.train['loss']:+.3f}" if report.train else ""
@@ -184,9 +188,11 @@ class Job:
             for sample in samples:
                 timeline.write(msgspec.json.encode(sample) + b"\n")
             timeline.flush()
+            self.tracker.on_samples(samples)
 
         def on_shift(mark: ShiftMark) -> None:
             timeline.write(msgspec.json.encode(mark) + b"\n")
+            self.tracker.on_shift(mark)
             if self.view is not None:
                 self.view.on_shift(mark)
             if console.is_terminal and self.view is not None:
@@ -450,8 +456,9 @@ def main(args: argparse.Namespace) -> int:
         allocation,
         fixed={} if deployment.lends_trainer else {"training": ranks},
     )
+    tracker = open_tracker(run_dir, job.log.tensorboard, allocation=allocation, fixed=view.fixed)
     try:
-        runner = Job(job, policy, genrm, inputs, run_dir, console, view)
+        runner = Job(job, policy, genrm, inputs, run_dir, console, view, tracker)
         with logs_to(run_dir / "actors.log"), Live(view, console=console, refresh_per_second=4):
             reports, monitor = run_real(runner.run())
     except KeyboardInterrupt:
@@ -459,6 +466,8 @@ def main(args: argparse.Namespace) -> int:
             f"\ninterrupted after {view.done} steps; every child stopped; what ran is in {run_dir}"
         )
         raise
+    finally:
+        tracker.close()
     console.print()
     wall = time.perf_counter() - started
     trains = [
@@ -497,5 +506,6 @@ def main(args: argparse.Namespace) -> int:
         f"metrics {run_dir / 'metrics.jsonl'}, plot {plot}, "
         + (f"journal {run_dir / 'shift.journal'}, " if d.kind != "disaggregated" else "")
         + f"logs {run_dir / 'actors.log'}"
+        + (f", tensorboard --logdir {run_dir / 'tensorboard'}" if job.log.tensorboard else "")
     )
     return 0
