@@ -63,7 +63,8 @@ class Tracker:
         self._scalar(f"{prefix}/genrm_agreement", scores.genrm_agreement, step)
         self._scalar(f"{prefix}/failures", scores.reward_failures, step)
         for cause, n in scores.failures_by_cause.items():
-            self._scalar(f"{prefix}/failures/{cause}", n, step)
+            # causes are words ("unparseable judgment"); a tag reads better without spaces
+            self._scalar(f"{prefix}/failures/{cause.replace(' ', '_')}", n, step)
         for key, value in scores.reward_metrics.items():
             self._scalar(f"{prefix}/metrics/{key}", value, step)
 

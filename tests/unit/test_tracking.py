@@ -19,7 +19,7 @@ def _scores(mean: float | None, failures: int = 0, accuracy: float | None = 0.5)
         accuracy=accuracy,
         genrm_agreement=None,
         reward_failures=failures,
-        failures_by_cause={"timeout": failures} if failures else {},
+        failures_by_cause={"timeout": 1, "unparseable judgment": failures - 1} if failures else {},
         reward_metrics={"tokens": 12.0},
     )
 
@@ -66,7 +66,8 @@ def test_step_scalars_are_read_back_by_tensorboard(tmp_path):
     assert _values(events, "reward/mean") == [(0, 0.25), (2, 0.75)]
     assert _values(events, "reward/accuracy") == [(0, 0.5), (2, 0.5)]
     assert _values(events, "reward/failures") == [(0, 0), (1, 8), (2, 0)]
-    assert _values(events, "reward/failures/timeout") == [(1, 8)]
+    assert _values(events, "reward/failures/timeout") == [(1, 1)]
+    assert _values(events, "reward/failures/unparseable_judgment") == [(1, 7)]
     assert _values(events, "reward/metrics/tokens") == [(0, 12.0), (1, 12.0), (2, 12.0)]
     assert _values(events, "train/loss") == [(0, 0.0), (1, 0.1), (2, 0.2)]
     assert _values(events, "train/grad_norm")[0] == (0, 1.5)
