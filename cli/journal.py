@@ -12,6 +12,7 @@ reported on stderr after the intact records, not cut off as the Controller's reo
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -64,11 +65,17 @@ def main(args: argparse.Namespace) -> int:
     records, problem = read_journal(args.run_dir)
     origin = records[0].at if records else 0.0
     encoder = msgspec.json.Encoder()
-    for record in records:
-        if args.json:
-            sys.stdout.write(encoder.encode(record).decode() + "\n")
-        else:
-            print(record_line(record, origin))
+    try:
+        for record in records:
+            if args.json:
+                sys.stdout.write(encoder.encode(record).decode() + "\n")
+            else:
+                print(record_line(record, origin))
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # `pivot journal RUN | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     if problem is not None:
         print(f"pivot journal: the journal ends in a damaged record: {problem}", file=sys.stderr)
     return 0
