@@ -96,7 +96,9 @@ class EvalReport(msgspec.Struct, frozen=True, kw_only=True):
     scores: Scores
 
 
-class StepReport(msgspec.Struct, frozen=True, kw_only=True):
+class StepReport(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="step"):
+    """One step, as metrics.jsonl holds it (``"type": "step"``; docs/metrics.md)."""
+
     step: int
     policy_version: int  # of the sequences of this step
     samples: int

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
 from pivot import __version__
+from pivot.cli.runconfig import DEFAULT_CONFIG
 from pivot.config import ConfigError
 from pivot.deployment import KIND_NAMES
-
-DEFAULT_CONFIG = "configs/tiny.toml"
 
 
 def _cmd_version(args: argparse.Namespace) -> int:
@@ -25,6 +25,11 @@ def _cmd_version(args: argparse.Namespace) -> int:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from pivot.cli import run
+
+    if args.config is not None and "=" in args.config and not os.path.exists(args.config):
+        # `pivot run key=value ...`: the default config (or a resumed run's), overridden
+        args.overrides.insert(0, args.config)
+        args.config = None
 
     return run.main(args)
 
@@ -67,7 +72,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_version)
 
     p = sub.add_parser("run", help="run an RL job from a TOML config")
-    p.add_argument("config", nargs="?", default=DEFAULT_CONFIG, help=f"default {DEFAULT_CONFIG}")
+    p.add_argument(
+        "config",
+        nargs="?",
+        default=None,
+        help=f"default {DEFAULT_CONFIG} (with --resume: the run's)",
+    )
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="set a config key, e.g. training.lr=2e-4 (the value TOML; a bare word a string)",
+    )
     p.add_argument(
         "--run-dir", default=None, help="where logs and metrics go (default runs/<time>)"
     )
@@ -86,9 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_run)
 
-    from pivot.cli import newmodel, simulate
+    from pivot.cli import journal, newmodel, simulate
 
     simulate.add_parser(sub)
+    journal.add_parser(sub)
     newmodel.add_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks that print numbers")
@@ -115,7 +132,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # argparse ends a positional list at the first flag: `pivot run C --seed 1 k=v` leaves
+        # k=v over; it is an override like those before the flag
+        if isinstance(getattr(args, "overrides", None), list) and not any(
+            a.startswith("-") for a in extra
+        ):
+            args.overrides.extend(extra)
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
     except ConfigError as exc:

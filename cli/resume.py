@@ -7,19 +7,29 @@ are run again) and gains a ``resume`` record saying which steps were cut and whe
 continues, so a step never appears twice. The shift journal of the stopped processes is set
 aside (``shift.journal.N``): it describes an allocation that ended with them.
 
-    resume_point(run_dir) -> Checkpoint             raises ConfigError
-    rewind(run_dir, checkpoint, at) -> [cut steps]
+    resume_point(run_dir) -> Checkpoint                           raises ConfigError
+    check_resumed_config(run_dir, config, overrides) -> the config to run   raises ConfigError
+    rewind(run_dir, checkpoint, at, overrides) -> [cut steps]
+
+A resumed run runs with its own ``config.toml`` and the overrides given now (recorded in
+config.toml's header and in the resume record). A config file named beside ``--resume`` must
+say what the run's says, but for the keys the overrides set: a run is not silently continued
+under another config.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
 from pivot.actors.checkpoints import Checkpoint, Checkpoints
-from pivot.config import ConfigError
+from pivot.cli.runconfig import CONFIG_NAME, read_header, resolved_config
+from pivot.config import ConfigError, load_toml
+from pivot.job import JobConfig
 
 CHECKPOINTS = "checkpoints"
 
@@ -33,6 +43,7 @@ class ResumeRecord(msgspec.Struct, frozen=True, kw_only=True, tag="resume", tag_
     policy_version: int
     cut_steps: list[int]
     at: str  # when, ISO 8601 UTC
+    overrides: list[str] = []  # given to this resume
 
 
 def checkpoints_of(run_dir: Path, *, every: int = 0, keep: int = 0, last_step: int = 0):
@@ -53,7 +64,43 @@ def resume_point(run_dir: Path) -> Checkpoint:
     return latest
 
 
-def rewind(run_dir: Path, checkpoint: Checkpoint, at: str) -> list[int]:
+def check_resumed_config(run_dir: Path, config: str | None, overrides: Sequence[str]) -> str:
+    """The config a resumed run runs with: its own; ``config``, when given, must resolve
+    (with the run's recorded overrides) to the same job but for the keys ``overrides`` set."""
+    ran = run_dir / CONFIG_NAME
+    if not ran.is_file():
+        raise ConfigError(str(run_dir), "--resume", f"a run with its {CONFIG_NAME}", "none")
+    if config is None:
+        return str(ran)
+    # the file named now, with the overrides the run started with and those given now
+    earlier = read_header(ran).overrides
+    given = load_toml(config, JobConfig, [*earlier, *overrides])
+    given = msgspec.to_builtins(resolved_config(given, config))
+    theirs = msgspec.to_builtins(load_toml(ran, JobConfig, overrides))
+    changed = _differences(given, theirs)
+    if changed:
+        key = changed[0]
+        raise ConfigError(
+            config,
+            key,
+            f"the run's value in {ran} (to change it, pass {key}=VALUE as an override)",
+            f"another value{f' (and {len(changed) - 1} more keys)' if len(changed) > 1 else ''}",
+        )
+    return str(ran)
+
+
+def _differences(a: Any, b: Any, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for key in sorted(set(a) | set(b)):
+            out += _differences(a.get(key), b.get(key), f"{prefix}{key}.")
+        return out
+    return [] if a == b else [prefix.rstrip(".")]
+
+
+def rewind(
+    run_dir: Path, checkpoint: Checkpoint, at: str, overrides: Sequence[str] = ()
+) -> list[int]:
     """Cut metrics.jsonl back to the checkpoint (written whole, then renamed over the old
     one) and set the journal aside; returns the steps cut."""
     metrics = run_dir / "metrics.jsonl"
@@ -76,6 +123,7 @@ def rewind(run_dir: Path, checkpoint: Checkpoint, at: str) -> list[int]:
                 policy_version=checkpoint.state.policy_version,
                 cut_steps=cut,
                 at=at,
+                overrides=list(overrides),
             )
         )
     )

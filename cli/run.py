@@ -19,7 +19,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import msgspec
@@ -49,10 +49,18 @@ from pivot.bus import Bus, Directory, RestartPolicy, Supervisor, configure_loggi
 from pivot.cli.inputs import EVAL_IDS, Inputs, read_inputs
 from pivot.cli.live import LiveView
 from pivot.cli.plot import plot_run
-from pivot.cli.resume import checkpoints_of, resume_point, rewind
+from pivot.cli.resume import check_resumed_config, checkpoints_of, resume_point, rewind
+from pivot.cli.runconfig import (
+    CONFIG_NAME,
+    DEFAULT_CONFIG,
+    flag_overrides,
+    read_header,
+    refuse_existing_run,
+    write_run_config,
+)
+from pivot.cli.tracking import NoTracker, Tracker, open_tracker
 from pivot.cluster import Role, RoleSpec
-from pivot.config import ConfigError, load_toml
-from pivot.deployment import DeploymentKind
+from pivot.config import ConfigError, blame_overrides, load_toml
 from pivot.engines.checkpoint import inspect_checkpoint
 from pivot.engines.protocol import SamplingParams
 from pivot.engines.tokenizer import TextCodec
@@ -108,6 +116,7 @@ class Job:
         run_dir: Path,
         console,  # noqa: ANN001 - a rich Console
         view: LiveView | None = None,
+        tracker: Tracker | NoTracker | None = None,
         resume: Checkpoint | None = None,
     ) -> None:
         self.job = job
@@ -121,6 +130,7 @@ class Job:
         self.run_dir = run_dir
         self.console = console
         self.view = view
+        self.tracker = tracker or NoTracker()
         self.deployment = job.plan()
         self.assembly: Assembly | None = None
         # ipc paths must stay under ~100 bytes: sockets live in a short temporary folder
@@ -168,6 +178,7 @@ class Job:
         def on_step(report: StepReport) -> None:
             metrics.write(msgspec.json.encode(report) + b"\n")
             metrics.flush()
+            self.tracker.on_step(report)
             if dump is not None:
                 dump.flush()
             loss = f" loss {report.train['loss']:+.3f}" if report.train else ""
@@ -192,9 +203,11 @@ class Job:
             for sample in samples:
                 timeline.write(msgspec.json.encode(sample) + b"\n")
             timeline.flush()
+            self.tracker.on_samples(samples)
 
         def on_shift(mark: ShiftMark) -> None:
             timeline.write(msgspec.json.encode(mark) + b"\n")
+            self.tracker.on_shift(mark)
             if self.view is not None:
                 self.view.on_shift(mark)
             if console.is_terminal and self.view is not None:
@@ -357,22 +370,20 @@ def scores_text(scores: Scores) -> str:
 def prepare(
     config: str,
     *,
+    overrides: Sequence[str] = (),
     seed: int | None = None,
     deployment: str | None = None,
     steps: int | None = None,
 ) -> tuple[JobConfig, Path, Path | None, Inputs]:
-    """The job's config with command-line overrides, validated, its model folders, its data
-    and its reward code, all read before any child process starts."""
-    job = load_toml(config, JobConfig)
-    if seed is not None:
-        job = msgspec.structs.replace(job, seed=seed)
-    if steps is not None:
-        job = msgspec.structs.replace(job, steps=steps)
-    if deployment is not None:
-        job = msgspec.structs.replace(
-            job, deployment=msgspec.structs.replace(job.deployment, kind=DeploymentKind(deployment))
-        )
-    job.validate(config)
+    """The job's config with command-line overrides (``key=value``; the flags are overrides
+    too, applied last), validated, its model folders, its data and its reward code, all read
+    before any child process starts."""
+    overrides = [*overrides, *flag_overrides(seed=seed, deployment=deployment, steps=steps)]
+    job = load_toml(config, JobConfig, overrides)
+    try:
+        job.validate(config)
+    except ConfigError as exc:
+        raise blame_overrides(exc, overrides) from None
     policy = resolve_model(job.model.policy, config, "model.policy")
     genrm = (
         resolve_model(job.model.genrm, config, "model.genrm")
@@ -432,23 +443,33 @@ def main(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
 
+    overrides = [*args.overrides, *flag_overrides(seed=args.seed, deployment=args.deployment)]
     resume = None
-    config = args.config
-    if args.resume:
+    if args.resume is not None:
         run_dir = Path(args.resume)
         resume = resume_point(run_dir)
-        if (run_dir / "config.toml").is_file():
-            config = str(run_dir / "config.toml")
-    job, policy, genrm, inputs = prepare(config, seed=args.seed, deployment=args.deployment)
+        # the run's own config, with the overrides given now (a config file given beside
+        # --resume must be that config but for the keys they set)
+        config = check_resumed_config(run_dir, args.config, overrides)
+    else:
+        run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir()
+        refuse_existing_run(run_dir)
+        config = args.config or DEFAULT_CONFIG
+    job, policy, genrm, inputs = prepare(config, overrides=overrides)
     if resume is not None:
         check_model(resume.policy)
         if resume.state.next_step >= inputs.steps:
             print(f"{run_dir}: every step of {inputs.steps} is done; nothing to resume")
             return 0
-        cut = rewind(run_dir, resume, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-    else:
-        run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir()
+        cut = rewind(run_dir, resume, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), overrides)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if resume is None:
+        write_run_config(run_dir, job, config, overrides)
+    else:  # the overrides of every start of the run, in order
+        first = read_header(run_dir / CONFIG_NAME)
+        write_run_config(
+            run_dir, job, config, [*first.overrides, *overrides], source=first.source or None
+        )
     console = Console(soft_wrap=True)
     c, d = job.cluster, job.deployment
     deployment = job.plan()
@@ -483,10 +504,11 @@ def main(args: argparse.Namespace) -> int:
         allocation,
         fixed={} if deployment.lends_trainer else {"training": ranks},
     )
+    tracker = open_tracker(run_dir, job.log.tensorboard, allocation=allocation, fixed=view.fixed)
     if resume is not None:
         view.done = resume.state.next_step
-    runner = Job(job, policy, genrm, inputs, run_dir, console, view, resume=resume)
     try:
+        runner = Job(job, policy, genrm, inputs, run_dir, console, view, tracker, resume)
         with logs_to(run_dir / "actors.log"), Live(view, console=console, refresh_per_second=4):
             reports, monitor = run_real(runner.run())
     except KeyboardInterrupt:
@@ -494,6 +516,8 @@ def main(args: argparse.Namespace) -> int:
             f"\ninterrupted after {view.done} steps; every child stopped; what ran is in {run_dir}"
         )
         raise
+    finally:
+        tracker.close()
     console.print()
     wall = time.perf_counter() - started
     trains = [
@@ -532,6 +556,7 @@ def main(args: argparse.Namespace) -> int:
         f"metrics {run_dir / 'metrics.jsonl'}, plot {plot}, "
         + (f"journal {run_dir / 'shift.journal'}, " if d.kind != "disaggregated" else "")
         + f"logs {run_dir / 'actors.log'}"
+        + (f", tensorboard --logdir {run_dir / 'tensorboard'}" if job.log.tensorboard else "")
     )
     saved = [r.checkpoint for r in reports if r.checkpoint]
     if saved:

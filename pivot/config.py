@@ -2,8 +2,16 @@
 file, the key, what was expected and what was found.
 
 Every component declares its settings as a nested ``ConfigStruct`` (torchtitan-style: one
-Config per component, composed into the job's). Reading the file is the caller's business;
-this module only turns text into validated values, so it stays pure.
+Config per component, composed into the job's). Besides ``load_toml`` (which reads one file)
+this module only turns text into validated values and back, so it stays pure.
+
+Command-line overrides (``key.path=value``, the value TOML, a bare word a string) are merged
+into the file's raw table before validation, so they are checked like the file and an error
+in one names it (``override training.lr``). ``to_toml`` writes a struct back as TOML.
+
+    apply_overrides(raw, ["training.lr=2e-4"]) -> dict      raises ConfigError
+    load_toml(path, JobConfig, overrides=()) -> JobConfig    raises ConfigError
+    to_toml(struct, header="") -> str
 
 It also owns the constraint aliases the configs share, so that a name means one rule
 everywhere (msgspec words their errors from the rule, and ``convert`` passes that on).
@@ -11,8 +19,10 @@ everywhere (msgspec words their errors from the rule, and ``convert`` passes tha
 
 from __future__ import annotations
 
+import copy
 import re
 import tomllib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -140,17 +150,105 @@ def convert(raw: Any, type_: type[T], source: str) -> T:
         ) from None
 
 
-def decode_toml(text: str, type_: type[T], source: str = "<config>") -> T:
-    """Parse TOML text and validate it into ``type_``."""
+_KEY = re.compile(r"^[A-Za-z0-9_-]+(?:\.[A-Za-z0-9_-]+)*$")
+
+
+def _override_source(key: str) -> str:
+    return f"override {key}"
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``key.path=value`` as (key, value): the value is TOML (``2e-4``, ``true``, ``[1, 2]``,
+    ``'a b'``); text that is not TOML is taken as a string, so paths and names need no quotes."""
+    key, eq, value = text.partition("=")
+    key = key.strip()
+    if not eq or not _KEY.match(key):
+        raise ConfigError(
+            _override_source(key or text), "", "key.path=value (dotted keys)", repr(text)
+        )
+    try:
+        return key, tomllib.loads(f"v = {value}")["v"]
+    except tomllib.TOMLDecodeError:
+        return key, value
+
+
+def apply_overrides(raw: dict, overrides: Sequence[str]) -> dict:
+    """``raw`` (a config file's table) with each override set, later ones winning; a copy.
+
+    A key may name a table that the file lacks (it is made); setting a key under a key that
+    holds a value (``seed.x=1``) is an error naming the override."""
+    merged = copy.deepcopy(raw)
+    for text in overrides:
+        key, value = parse_override(text)
+        *parents, leaf = key.split(".")
+        node = merged
+        for depth, part in enumerate(parents):
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(
+                    _override_source(key),
+                    ".".join(parents[: depth + 1]),
+                    "a table",
+                    _describe(node),
+                )
+        node[leaf] = value
+    return merged
+
+
+def blame_overrides(exc: ConfigError, overrides: Sequence[str]) -> ConfigError:
+    """``exc``, naming the override instead of the file when the key it is about is one an
+    override set (the last override of the key or of a table above it: the one that took
+    effect). Also for rules checked after decoding (``JobConfig.validate``)."""
+    for text in reversed(overrides):
+        key = text.partition("=")[0].strip()
+        if exc.key == key or exc.key.startswith((f"{key}.", f"{key}[")):
+            return ConfigError(_override_source(key), exc.key, exc.expected, exc.found)
+    return exc
+
+
+def convert_with_overrides(
+    raw: dict, type_: type[T], source: str, overrides: Sequence[str] = ()
+) -> T:
+    """``convert`` of ``raw`` with ``overrides`` applied; an error in an override names it."""
+    merged = apply_overrides(raw, overrides)
+    try:
+        return convert(merged, type_, source)
+    except ConfigError as exc:
+        raise blame_overrides(exc, overrides) from None
+
+
+def to_toml(struct: Any, header: str = "") -> str:
+    """``struct`` (a ConfigStruct, every field written, defaults too) as TOML text that
+    ``decode_toml`` reads back equal; ``header`` becomes ``#`` comment lines above it. TOML
+    has no null, so a None field is left out (a config read from TOML never holds one)."""
+    import tomli_w
+
+    def strip(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: strip(v) for k, v in node.items() if v is not None}
+        if isinstance(node, list):
+            return [strip(v) for v in node]
+        return node
+
+    body = tomli_w.dumps(strip(msgspec.to_builtins(struct)))
+    comments = "".join(f"# {line}".rstrip() + "\n" for line in header.splitlines())
+    return comments + body
+
+
+def decode_toml(
+    text: str, type_: type[T], source: str = "<config>", overrides: Sequence[str] = ()
+) -> T:
+    """Parse TOML text, apply ``overrides`` and validate it into ``type_``."""
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(source, "", "valid TOML", f"a syntax error ({exc})") from None
-    return convert(raw, type_, source)
+    return convert_with_overrides(raw, type_, source, overrides)
 
 
-def load_toml(path: str | Path, type_: type[T]) -> T:
-    """Read a TOML file and validate it; a missing file is a ConfigError, too."""
+def load_toml(path: str | Path, type_: type[T], overrides: Sequence[str] = ()) -> T:
+    """Read a TOML file, apply ``overrides`` and validate it; a missing file is a ConfigError,
+    too."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
@@ -158,4 +256,4 @@ def load_toml(path: str | Path, type_: type[T]) -> T:
         raise ConfigError(str(p), "", "an existing file", "no such file") from None
     except UnicodeDecodeError:
         raise ConfigError(str(p), "", "UTF-8 text", "undecodable bytes") from None
-    return decode_toml(text, type_, str(p))
+    return decode_toml(text, type_, str(p), overrides)

@@ -136,9 +136,12 @@ class CheckpointSection(ConfigStruct):
 
 class LogSection(ConfigStruct):
     """``samples``: write every scored sample (texts, token ids, the GenRM's prompt ids and
-    judgment, score or failure) to samples.jsonl in the run folder."""
+    judgment, score or failure) to samples.jsonl in the run folder. ``tensorboard``: write
+    the steps' scores, training statistics and throughput, and the devices and throughput
+    of each role over time, as TensorBoard event files in ``RUN_DIR/tensorboard``."""
 
     samples: bool = False
+    tensorboard: bool = True
 
 
 class ControlSection(ConfigStruct):

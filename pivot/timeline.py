@@ -12,19 +12,24 @@ from __future__ import annotations
 import msgspec
 
 
-class RoleSample(msgspec.Struct, frozen=True, kw_only=True):
+# timeline.jsonl holds both kinds of record; "type" says which (docs/metrics.md)
+class RoleSample(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="sample"):
     t: float
     role: str
     tokens_per_s: float
     outstanding: int  # queued + running sequences
 
 
-class ShiftMark(msgspec.Struct, frozen=True, kw_only=True):
+class ShiftMark(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="shift"):
     t: float
     kind: str  # shift | lend_trainer | reclaim_trainer
     allocation: dict[str, int]  # role -> devices after the shift
     seconds: float = 0.0  # how long the shift took
     phase_s: dict[str, float] = {}  # seconds to reach each phase (ShiftFinished.phase_s)
+
+
+#: A line of timeline.jsonl: ``msgspec.json.Decoder(TimelineRecord)`` reads either kind
+TimelineRecord = RoleSample | ShiftMark
 
 
 class TrainSpan(msgspec.Struct, frozen=True, kw_only=True):

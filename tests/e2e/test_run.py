@@ -192,7 +192,7 @@ def test_job_learns_and_scores_every_sequence_once(shifting_run):
     run = shifting_run
     assert "deployment pivot" in run.stdout and f"done: {STEPS} steps" in run.stdout
     reports = run.reports
-    assert [r["step"] for r in reports] == list(range(STEPS))
+    assert [(r["type"], r["step"]) for r in reports] == [("step", k) for k in range(STEPS)]
     # every sequence answered once, judged once and trained on once, on whichever replica
     # held it (a step ends only when all of its sequences are scored: a lost one hangs it)
     for r in reports:
@@ -234,7 +234,8 @@ def test_job_shifts_and_leaves_no_processes(shifting_run):
     # the trainer pool was lent to inference and reclaimed (the last reclaim may land after
     # the monitor stopped)
     marks = [json.loads(line) for line in (run.dir / "timeline.jsonl").read_text().splitlines()]
-    kinds = [m["kind"] for m in marks if "kind" in m]
+    assert {m["type"] for m in marks} == {"sample", "shift"}
+    kinds = [m["kind"] for m in marks if m["type"] == "shift"]
     assert kinds.count("reclaim_trainer") >= 2 and "lend_trainer" in kinds
     assert (run.dir / "shift.journal").stat().st_size > 0
     assert (run.dir / "throughput.png").read_bytes()[:4] == b"\x89PNG"
@@ -254,7 +255,8 @@ def test_same_seed_same_rewards_without_shifts(shifting_run, fixed_run):
     marks = [
         json.loads(line) for line in (shifting_run.dir / "timeline.jsonl").read_text().splitlines()
     ]
-    assert "shift" in [m.get("kind") for m in marks]  # shared devices changed roles
+    # shared devices changed roles
+    assert "shift" in [m["kind"] for m in marks if m["type"] == "shift"]
     print("sequences migrated under pivot:", shifting_run.migrated)
     assert [r["scores"] for r in fixed] == [r["scores"] for r in moved]
     for key in ("response_tokens", "judgment_tokens"):
@@ -296,9 +298,10 @@ def _resume_config(tmp_path: Path) -> Path:
     return config
 
 
-def _resume(config: Path, run_dir: Path) -> tuple[list[dict], dict]:
+def _resume(config: Path | None, run_dir: Path) -> tuple[list[dict], dict]:
+    """``pivot run [CONFIG] --resume RUN_DIR``: without a config, the run's own."""
     resumed = subprocess.run(
-        [*PIVOT, "run", str(config), "--resume", str(run_dir)],
+        [*PIVOT, "run", *([str(config)] if config else []), "--resume", str(run_dir)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -374,6 +377,6 @@ def test_a_crash_while_a_checkpoint_is_written_leaves_the_one_before(fixed_run, 
     assert (root / ".partial-step-000003" / "policy" / "model.safetensors").is_file()  # torn
     done = Checkpoints(root, every=2, keep=2, last_step=5).complete()
     assert [c.state.step for c in done] == [1]
-    steps, resume = _resume(config, run_dir)
+    steps, resume = _resume(None, run_dir)
     assert resume["next_step"] == 2
     _same_steps(steps, fixed_run.reports[:6])

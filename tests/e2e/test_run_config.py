@@ -1,0 +1,177 @@
+"""`pivot run`'s config on the command line and in the run directory: overrides change the
+job, the resolved config.toml runs the same job again from anywhere, a bad override is one
+line, and a run directory holds one run. In process, stopped where the job would start."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pivot.cli import run
+from pivot.cli.main import main
+from pivot.cli.runconfig import read_header, resolved_config
+from pivot.config import load_toml
+from pivot.job import JobConfig
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class Started(Exception):
+    """Raised where the job's processes would start."""
+
+
+@pytest.fixture
+def started(monkeypatch):
+    """Stops `pivot run` where its Job would be made; the JobConfig it was given."""
+    jobs: list[JobConfig] = []
+
+    class Job:
+        def __init__(self, job: JobConfig, *args, **kwargs) -> None:
+            jobs.append(job)
+            raise Started
+
+    monkeypatch.setattr(run, "Job", Job)
+    return jobs
+
+
+def _own_job(folder: Path) -> Path:
+    """A job whose data and reward code are paths relative to its file."""
+    (folder / "data").mkdir(parents=True)
+    (folder / "data" / "train.jsonl").write_text(
+        "".join(f'{{"prompt": "{i}+1=", "answer": "{i + 1}"}}\n' for i in range(8))
+    )
+    (folder / "reward.py").write_text("def score(sample):\n    return 1.0\n")
+    config = folder / "job.toml"
+    config.write_text(
+        "steps = 3\n[data]\ntrain = 'data/train.jsonl'\nreference_key = 'answer'\n"
+        "[rollout]\nprompts_per_step = 4\n[reward]\nkind = 'function'\nfunction = 'reward.py:score'\n"
+    )
+    return config
+
+
+def test_overrides_change_the_run_and_its_config_toml_runs_it_again(tmp_path, monkeypatch, started):
+    config = _own_job(tmp_path / "job")
+    run_dir = tmp_path / "run"
+    with pytest.raises(Started):
+        # flags between overrides: the ones after a flag are overrides too
+        main(
+            [
+                "run",
+                str(config),
+                "training.lr=2e-4",
+                "--run-dir",
+                str(run_dir),
+                "--seed",
+                "7",
+                "rollout.samples_per_prompt=8",
+            ]
+        )
+    [job] = started
+    assert job.training.lr == 2e-4 and job.rollout.samples_per_prompt == 8 and job.seed == 7
+    written = run_dir / "config.toml"
+    header = read_header(written)
+    assert header.source == str(config.resolve())
+    assert header.overrides == ["training.lr=2e-4", "rollout.samples_per_prompt=8", "seed=7"]
+    resolved = load_toml(written, JobConfig)
+    assert resolved == resolved_config(job, config)
+    assert resolved.training.lr == 2e-4 and resolved.seed == 7
+    assert resolved.data.train == str(config.parent / "data" / "train.jsonl")
+    assert resolved.reward.function == f"{config.parent / 'reward.py'}:score"
+    assert resolved.model.policy == "tiny-policy"  # a shipped model stays a name
+    # the written config is the same job, read from another folder
+    monkeypatch.chdir(tmp_path)
+    again, *_ = run.prepare(str(written))
+    assert again == resolved
+    with pytest.raises(Started):
+        main(["run", str(written), "--run-dir", str(tmp_path / "again")])
+    assert load_toml(tmp_path / "again" / "config.toml", JobConfig) == resolved
+
+
+def test_overrides_alone_override_the_default_config(monkeypatch, tmp_path, started):
+    monkeypatch.chdir(REPO)
+    with pytest.raises(Started):
+        main(["run", "steps=2", "--run-dir", str(tmp_path / "run")])
+    assert started[0].steps == 2
+    assert read_header(tmp_path / "run" / "config.toml").source == str(REPO / "configs/tiny.toml")
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("training.lrr=2e-4", "override training.lrr: key 'training.lrr': expected no such key"),
+        ("training.lr=fast", "override training.lr: key 'training.lr': expected float, found str"),
+        ("cluster.trainer_devices=4", "override cluster.trainer_devices: key 'cluster.trainer"),
+    ],
+)
+def test_a_bad_override_is_one_line_naming_it(tmp_path, capsys, started, override, expected):
+    run_dir = tmp_path / "run"
+    code = main(["run", str(REPO / "configs/tiny.toml"), override, "--run-dir", str(run_dir)])
+    assert code == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert expected in line, line
+    assert not run_dir.exists() and not started
+
+
+def test_a_run_directory_holding_a_run_is_refused(tmp_path, capsys, started):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"type": "step"}\n')
+    code = main(["run", str(REPO / "configs/tiny.toml"), "--run-dir", str(run_dir)])
+    assert code == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert f"{run_dir}: " in line and "a run already there (metrics.jsonl)" in line
+    assert "use --resume RUN_DIR to continue it, or another --run-dir" in line
+    assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl"] and not started
+    # an empty directory is no run
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(Started):
+        main(["run", str(REPO / "configs/tiny.toml"), "--run-dir", str(empty)])
+    assert (empty / "config.toml").is_file()
+
+
+def test_resume_runs_the_runs_own_config_and_records_its_overrides(tmp_path, started, capsys):
+    import json
+    import shutil
+
+    import msgspec
+
+    from pivot.actors.checkpoints import CheckpointState
+    from pivot.assets import ASSETS
+
+    config = _own_job(tmp_path / "job")
+    run_dir = tmp_path / "run"
+    with pytest.raises(Started):
+        main(["run", str(config), "--run-dir", str(run_dir), "training.lr=3e-4"])
+    # what a run leaves after step 0's checkpoint (the policy folder is the shipped one)
+    checkpoint = run_dir / "checkpoints" / "step-000000"
+    shutil.copytree(ASSETS / "tiny-policy", checkpoint / "policy")
+    state = CheckpointState(step=0, policy_version=1, next_step=1)
+    (checkpoint / "state.json").write_bytes(msgspec.json.encode(state))
+    (run_dir / "metrics.jsonl").write_text(
+        "".join(json.dumps({"type": "step", "step": s}) + "\n" for s in range(2))
+    )
+    # the run's own config, and its first overrides, when no config is named
+    with pytest.raises(Started):
+        main(["run", "--resume", str(run_dir)])
+    assert started[-1].training.lr == 3e-4 and started[-1].steps == 3
+    # a config named beside --resume that differs is refused, unless the key is overridden
+    changed = tmp_path / "job" / "changed.toml"
+    changed.write_text(config.read_text().replace("steps = 3", "steps = 5"))
+    assert main(["run", str(changed), "--resume", str(run_dir)]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert "key 'steps'" in line and "pass steps=VALUE as an override" in line
+    with pytest.raises(Started):
+        main(["run", str(changed), "--resume", str(run_dir), "steps=5"])
+    assert started[-1].steps == 5 and started[-1].training.lr == 3e-4
+    assert read_header(run_dir / "config.toml").overrides == ["training.lr=3e-4", "steps=5"]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("step") for r in records if r["type"] == "step"] == [0]  # step 1 runs again
+    resumes = [r for r in records if r["type"] == "resume"]
+    assert [(r["cut_steps"], r["overrides"]) for r in resumes] == [([1], []), ([], ["steps=5"])]
+    assert records[-1] == resumes[-1] and resumes[-1]["next_step"] == 1
+    # a run dir without a complete checkpoint cannot be resumed
+    shutil.rmtree(run_dir / "checkpoints")
+    assert main(["run", "--resume", str(run_dir)]) == 2
+    assert "expected a run with a complete checkpoint" in capsys.readouterr().err
