@@ -10,6 +10,7 @@ aside (``shift.journal.N``): it describes an allocation that ended with them.
     resume_point(run_dir) -> Checkpoint                           raises ConfigError
     check_resumed_config(run_dir, config, overrides) -> the config to run   raises ConfigError
     rewind(run_dir, checkpoint, at, overrides) -> [cut steps]
+    timeline_end(path) -> the last time in timeline.jsonl (where a resumed timeline goes on)
 
 A resumed run runs with its own ``config.toml`` and the overrides given now (recorded in
 config.toml's header and in the resume record). A config file named beside ``--resume`` must
@@ -137,3 +138,18 @@ def rewind(
             n += 1
         os.replace(journal, run_dir / f"shift.journal.{n}")
     return cut
+
+
+def timeline_end(path: Path) -> float:
+    """The latest ``t`` in a timeline.jsonl (0 without one): a resumed run's Monitor starts
+    its clock at 0 again, so its records are shifted past the stopped run's."""
+    end = 0.0
+    if path.is_file():
+        for line in path.read_bytes().splitlines():
+            try:
+                t = msgspec.json.decode(line).get("t")
+            except msgspec.DecodeError:
+                continue  # a line torn by the stop
+            if isinstance(t, int | float):
+                end = max(end, float(t))
+    return end

@@ -49,7 +49,13 @@ from pivot.bus import Bus, Directory, RestartPolicy, Supervisor, configure_loggi
 from pivot.cli.inputs import EVAL_IDS, Inputs, read_inputs
 from pivot.cli.live import LiveView
 from pivot.cli.plot import plot_run
-from pivot.cli.resume import check_resumed_config, checkpoints_of, resume_point, rewind
+from pivot.cli.resume import (
+    check_resumed_config,
+    checkpoints_of,
+    resume_point,
+    rewind,
+    timeline_end,
+)
 from pivot.cli.runconfig import (
     CONFIG_NAME,
     DEFAULT_CONFIG,
@@ -197,7 +203,11 @@ class Job:
                     style="green",
                 )
 
+        # a resumed run's timeline continues where the stopped one's ended
+        offset = timeline_end(run_dir / "timeline.jsonl") if self.resume is not None else 0.0
+
         def on_sample(samples: list[RoleSample]) -> None:
+            samples = [msgspec.structs.replace(s, t=s.t + offset) for s in samples]
             if self.view is not None:
                 self.view.on_samples(samples)
             for sample in samples:
@@ -206,6 +216,7 @@ class Job:
             self.tracker.on_samples(samples)
 
         def on_shift(mark: ShiftMark) -> None:
+            mark = msgspec.structs.replace(mark, t=mark.t + offset)
             timeline.write(msgspec.json.encode(mark) + b"\n")
             self.tracker.on_shift(mark)
             if self.view is not None:

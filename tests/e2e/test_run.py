@@ -347,8 +347,14 @@ def test_a_resumed_run_gives_the_uninterrupted_runs_steps(fixed_run, tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130, rest[-2000:]
+    stopped = (run_dir / "timeline.jsonl").read_text().splitlines()
     steps, resume = _resume(config, run_dir)
     assert resume["next_step"] == 2 and resume["cut_steps"] == [2]
+    timeline = (run_dir / "timeline.jsonl").read_text().splitlines()
+    # the resumed timeline goes on after the stopped one (its clock restarted at 0)
+    before = [json.loads(line)["t"] for line in stopped]
+    after = [json.loads(line)["t"] for line in timeline[len(stopped) :]]
+    assert after and min(after) > max(before)
     _same_steps(steps, fixed_run.reports[:6])
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) == [
         "step-000003",
