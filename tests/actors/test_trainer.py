@@ -559,6 +559,9 @@ async def test_a_checkpoint_is_a_policy_transformers_loads_and_the_trainer_state
     assert set(saved) == set(weights)
     for name, tensor in weights.items():
         assert torch.equal(saved[name], tensor), name
+    from pivot.cli.run import check_model
+
+    check_model(folder / "policy")  # pivot run takes it as a policy
     codec = TextCodec.from_dir(folder / "policy")  # the tokenizer travelled with it
     prompts = [codec.encode(p) for p in ("12+34=", "5+5=", "99+1=")]
     engine = TorchEngine.from_pretrained(folder / "policy", max_running=4)
