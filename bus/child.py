@@ -7,12 +7,17 @@ starts it, writes ``READY <name>`` on stdout (then points stdout at stderr, so t
 nobody blocks on a pipe that is no longer read), and runs until SIGTERM/SIGINT (exit
 0) or until the actor crashes (exit 1). A child stuck after SIGTERM is ended by
 SIGALRM after ``PIVOT_BUS_STOP_GRACE`` seconds (default 10).
+
+A child that fails, before READY or after, writes one last line ``FAILED <reason>`` on the
+original pipe (kept open for that), so that its supervisor can say why it died in one line
+rather than only "exit code 1" with the traceback in the log.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ctypes
 import importlib
 import inspect
@@ -48,8 +53,31 @@ def resolve(target: str) -> Any:
     return value
 
 
+def _reason(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def report_failure(exc: BaseException, pipe: int = 1) -> None:
+    """The one line the supervisor reads as the cause of this child's death."""
+    with contextlib.suppress(OSError):
+        os.write(pipe, f"FAILED {_reason(exc)}\n".encode())
+
+
 async def serve(name: str, target: str, kwargs: dict[str, Any]) -> int:
     log = get_logger(actor=name)
+    try:
+        return await _serve(name, target, kwargs, log)
+    except Exception as exc:
+        log.error("child failed", error=repr(exc))
+        report_failure(exc, _PIPE[0])
+        raise
+
+
+_PIPE = [1]  # the supervisor's pipe: stdout until READY, then a private copy of it
+
+
+async def _serve(name: str, target: str, kwargs: dict[str, Any], log) -> int:  # noqa: ANN001
     made = resolve(target)(name, **kwargs)
     actor = await made if inspect.isawaitable(made) else made
     if not isinstance(actor, Actor):
@@ -61,6 +89,7 @@ async def serve(name: str, target: str, kwargs: dict[str, Any]) -> int:
     await actor.start()
     sys.stdout.write(f"READY {name}\n")
     sys.stdout.flush()
+    _PIPE[0] = os.dup(sys.stdout.fileno())
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     stopping = loop.create_task(stop.wait())
     ending = loop.create_task(actor.wait())
@@ -76,6 +105,7 @@ async def serve(name: str, target: str, kwargs: dict[str, Any]) -> int:
         ending.result()
     except Exception as exc:
         log.error("actor crashed, exiting", error=repr(exc))
+        report_failure(exc, _PIPE[0])
         return 1
     return 0
 

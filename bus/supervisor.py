@@ -55,14 +55,20 @@ class RestartPolicy(msgspec.Struct, frozen=True, kw_only=True):
 class SupervisorEscalation(BusError):
     """A child crashed more often than its policy allows; everything was stopped."""
 
-    def __init__(self, child: str, restarts: int, window: float, failure: str) -> None:
+    def __init__(
+        self, child: str, restarts: int, window: float, failure: str, *, restartable: bool = True
+    ) -> None:
         self.child = child
         self.restarts = restarts
         self.failure = failure
-        super().__init__(
-            f"child {child!r} crashed again after {restarts} restarts within {window:g} s "
-            f"(last failure: {failure}); stopped everything"
-        )
+        if not restartable or restarts == 0:
+            told = f"child {child!r} failed ({failure}) and is not restarted"
+        else:
+            told = (
+                f"child {child!r} failed {restarts + 1} times within {window:g} s "
+                f"(the last: {failure})"
+            )
+        super().__init__(f"{told}; stopped everything")
 
 
 class SupervisorEvent(msgspec.Struct, frozen=True):
@@ -157,7 +163,9 @@ class _ProcessChild(_Child):
         try:
             async with asyncio.timeout(self._ready_timeout):
                 # a library may print before the handshake: pass such lines on, keep waiting
-                while (line := await process.stdout.readline()) and not line.startswith(b"READY"):
+                while (line := await process.stdout.readline()) and not line.startswith(
+                    (b"READY", b"FAILED ")
+                ):
                     sys.stderr.write(line.decode(errors="replace"))
         except TimeoutError:
             await self.stop()
@@ -166,12 +174,23 @@ class _ProcessChild(_Child):
             ) from None
         if not line.startswith(b"READY"):
             code = await process.wait()
-            raise BusError(f"child {self.name!r} exited with code {code} before it was ready")
+            reason = _failed(line)
+            raise BusError(
+                f"child {self.name!r} exited with code {code} before it was ready"
+                + (f": {reason}" if reason else "")
+            )
 
     async def wait_exit(self) -> str | None:
-        assert self.process is not None
+        """None for a clean exit, else its code and, when the child said, why."""
+        assert self.process is not None and self.process.stdout is not None
+        reason = None
+        # after READY the pipe carries at most the child's FAILED line, then EOF
+        while line := await self.process.stdout.readline():
+            reason = _failed(line) or reason
         code = await self.process.wait()
-        return None if code == 0 else f"exit code {code}"
+        if code == 0:
+            return None
+        return f"exit code {code}" + (f": {reason}" if reason else "")
 
     async def stop(self) -> None:
         process = self.process
@@ -186,6 +205,12 @@ class _ProcessChild(_Child):
             await process.wait()
         # anything its children left in the group goes too
         _signal_group(process.pid, signal.SIGKILL)
+
+
+def _failed(line: bytes) -> str | None:
+    if line.startswith(b"FAILED "):
+        return line[len(b"FAILED ") :].decode(errors="replace").strip()
+    return None
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
@@ -426,7 +451,13 @@ class Supervisor:
         return True
 
     def _escalate(self, child: _Child, restarts: int, failure: str) -> None:
-        self._escalation = SupervisorEscalation(child.name, restarts, child.policy.window, failure)
+        self._escalation = SupervisorEscalation(
+            child.name,
+            restarts,
+            child.policy.window,
+            failure,
+            restartable=child.policy.restart != "never" and child.policy.max_restarts > 0,
+        )
         self._event(child.name, "escalated", failure)
         self.log.error("escalating: too many restarts", child=child.name, failure=failure)
         self._stop_task = asyncio.get_running_loop().create_task(self.stop())

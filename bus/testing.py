@@ -67,3 +67,9 @@ def echo_actor(name: str, *, directory: dict[str, Any], secret_env: str | None =
     secret = os.environ[secret_env] if secret_env else None
     bus = Bus.nng(Directory.from_dict(directory), TESTING_MESSAGES, secret=secret)
     return EchoActor(name, bus)
+
+
+def unmakeable_actor(name: str, *, directory: dict[str, Any], error: str) -> EchoActor:
+    """Factory for a child whose actor cannot be made (as an agent whose checkpoint is
+    corrupt): raises ``ValueError(error)``."""
+    raise ValueError(error)

@@ -46,6 +46,7 @@ from pivot.actors.sources import FunctionReward, GenRMJudge, PromptSource
 from pivot.actors.vocabulary import rl_messages
 from pivot.assets import ASSETS
 from pivot.bus import Bus, Directory, RestartPolicy, Supervisor, configure_logging, run_real
+from pivot.bus.supervisor import SupervisorEscalation
 from pivot.cli.inputs import EVAL_IDS, Inputs, read_inputs
 from pivot.cli.live import LiveView
 from pivot.cli.plot import plot_run
@@ -527,6 +528,21 @@ def main(args: argparse.Namespace) -> int:
             f"\ninterrupted after {view.done} steps; every child stopped; what ran is in {run_dir}"
         )
         raise
+    except SupervisorEscalation as exc:
+        # a child died and may not come back: say which and why in one line, and how to go on
+        latest = checkpoints_of(run_dir).latest()
+        after = (
+            f"; continue with pivot run --resume {run_dir} (from {latest.folder.name})"
+            if latest is not None
+            else ""
+        )
+        console.print(
+            f"\nthe job stopped after {view.done} steps: {exc}; what ran is in {run_dir}"
+            f" (logs {run_dir / 'actors.log'}){after}",
+            style="red",
+            soft_wrap=True,
+        )
+        return 1
     finally:
         tracker.close()
     console.print()

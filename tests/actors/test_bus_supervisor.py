@@ -18,6 +18,7 @@ import pytest
 from pivot.bus import (
     Actor,
     Bus,
+    BusError,
     Directory,
     RequestTimeout,
     RestartPolicy,
@@ -285,3 +286,37 @@ def test_child_printing_before_ready_still_starts(tmp_path):
             await sup.stop()
 
     run_real(main())
+
+
+async def test_a_child_says_why_it_died_before_and_after_ready(tmp_path_factory) -> None:
+    """The cause reaches the supervisor in one line (the child's FAILED line), not only the
+    child's log: an actor that cannot be made, and one that crashes while it runs."""
+    directory = Directory.ipc(tmp_path_factory.mktemp("ipc"), ["broken", "echo", "probe"])
+    early = Supervisor(policy=RestartPolicy(restart="never"))
+    early.add_process(
+        "broken",
+        "pivot.bus.testing:unmakeable_actor",
+        kwargs={"directory": directory.to_dict(), "error": "model.safetensors: header too large"},
+    )
+    with pytest.raises(BusError) as err:
+        await early.start()
+    assert "before it was ready: ValueError: model.safetensors: header too large" in str(err.value)
+    await early.stop()
+
+    late = Supervisor(policy=RestartPolicy(restart="never"))
+    late.add_process(
+        "echo", "pivot.bus.testing:echo_actor", kwargs={"directory": directory.to_dict()}
+    )
+    bus = Bus.nng(directory, TESTING_MESSAGES)
+    await late.start()
+    try:
+        async with started(Actor("probe", bus)) as (probe,):
+            await probe.request("echo", Crash(), timeout=5)
+            with pytest.raises(SupervisorEscalation) as escalated:
+                await asyncio.wait_for(late.wait(), 30)
+    finally:
+        await late.stop()
+        await bus.close()
+    text = str(escalated.value)
+    assert "child 'echo' failed (exit code 1: RuntimeError: crash requested)" in text
+    assert "is not restarted" in text and "again" not in text

@@ -378,7 +378,12 @@ def test_a_crash_while_a_checkpoint_is_written_leaves_the_one_before(fixed_run, 
         timeout=300,
         env={**os.environ, "PIVOT_FAULT": "crash-in-checkpoint:4"},  # version 4: after step 3
     )
-    assert crashed.returncode != 0
+    # one line says which child died, why, and how to go on; no traceback
+    assert crashed.returncode == 1, crashed.stderr[-2000:]
+    assert "Traceback" not in crashed.stdout + crashed.stderr
+    [said] = [line for line in crashed.stdout.splitlines() if "the job stopped" in line]
+    assert "child 'trainer' failed (exit code 70) and is not restarted" in said
+    assert f"pivot run --resume {run_dir} (from step-000001)" in said
     root = run_dir / "checkpoints"
     assert (root / ".partial-step-000003" / "policy" / "model.safetensors").is_file()  # torn
     done = Checkpoints(root, every=2, keep=2, last_step=5).complete()
