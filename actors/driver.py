@@ -133,6 +133,7 @@ class _Batch:
         self.scored = 0
         self.duplicates = 0
         self.started = 0.0
+        self.submitted = False
         self.last_response_at = 0.0
         self.done = asyncio.Event()  # every sample scored
 
@@ -190,10 +191,12 @@ class Driver(Actor):
         self.policy_version = policy_version
         self.reports: list[StepReport] = []
         self.finished = asyncio.Event()
-        self._batches = [_Batch(k, source) for k in range(first_step, steps)]
+        self._first_step = first_step
+        # the training batches submitted and not yet reported, by step: made when submitted,
+        # so that a long run holds only the few in flight
+        self._open: dict[int, _Batch] = {}
         self._eval_batch: _Batch | None = None  # the evaluation in flight
         self._owner: dict[int, _Batch] = {}  # sequence -> its batch, until the batch trained
-        self._submitted = 0
         self._trained = first_step  # steps done (trained, with a trainer)
         self._progress = asyncio.Event()  # a step was done
         # completions of no batch in flight (a late delivery after its batch trained)
@@ -276,9 +279,9 @@ class Driver(Actor):
     def oldest_open_stage(self) -> str | None:
         """The stage the oldest batch not yet scored is in: what a time-multiplexed pool
         should serve next. None when every submitted batch is scored."""
-        open_ = [*self._batches[: self._submitted], self._eval_batch]
+        open_ = [*(self._open[k] for k in sorted(self._open)), self._eval_batch]
         for batch in open_:
-            if batch is None or batch.done.is_set():
+            if batch is None or not batch.submitted or batch.done.is_set():
                 continue
             return "rollout" if batch.responses < len(batch.samples) else "reward"
         return None
@@ -308,9 +311,10 @@ class Driver(Actor):
             await self.before_first_step()
         if self.staleness:
             self.spawn(self._submit_ahead(), name="submit")
-        for batch in self._batches:
+        for step in range(self._first_step, self.steps):
             if not self.staleness:
-                await self._submit(batch)
+                await self._submit(self._batch(step))
+            batch = self._batch(step)
             await batch.done.wait()
             scored_at = self.clock.now()
             train = None
@@ -349,7 +353,7 @@ class Driver(Actor):
             report = self._report(batch, scored_at, trained_at, train, evaluation)
             if saved is not None:
                 report = msgspec.structs.replace(report, checkpoint=str(saved.folder))
-            batch.samples = {}
+            del self._open[step]
             self._trained += 1
             self._progress.set()
             self.reports.append(report)
@@ -359,11 +363,17 @@ class Driver(Actor):
 
     async def _submit_ahead(self) -> None:
         """Submit each batch once training is at most ``staleness`` steps behind it."""
-        for batch in self._batches:
-            while self._trained < batch.step - self.staleness:
+        for step in range(self._first_step, self.steps):
+            while self._trained < step - self.staleness:
                 self._progress.clear()
                 await self._progress.wait()
-            await self._submit(batch)
+            await self._submit(self._batch(step))
+
+    def _batch(self, step: int) -> _Batch:
+        batch = self._open.get(step)
+        if batch is None:
+            batch = self._open[step] = _Batch(step, self.source)
+        return batch
 
     def _release(self, batch: _Batch) -> None:
         for seq_id in batch.samples:
@@ -372,7 +382,7 @@ class Driver(Actor):
     async def _evaluate(self, step: int) -> EvalReport:
         """The evaluation set through rollout (and the GenRM), scored, never trained on."""
         batch = self._eval_batch = _Batch(step, self.evaluation)
-        await self._submit(batch, count=False)
+        await self._submit(batch)
         await batch.done.wait()
         self._release(batch)
         self._eval_batch = None
@@ -382,14 +392,14 @@ class Driver(Actor):
             scores=Scores.of(list(batch.samples.values())),
         )
 
-    async def _submit(self, batch: _Batch, *, count: bool = True) -> None:
+    async def _submit(self, batch: _Batch) -> None:
         batch.version = self.policy_version
         pairs = batch.source.batch(batch.step, batch.version)
         batch.samples = {sample.seq_id: sample for sample, _ in pairs}
         for seq_id in batch.samples:
             self._owner[seq_id] = batch
         batch.started = self.clock.now()
-        self._submitted += count
+        batch.submitted = True
         await self.request(
             self.rollout_scheduler,
             SubmitSequences(sequences=[work for _, work in pairs]),

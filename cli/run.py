@@ -402,9 +402,29 @@ def prepare(
         if job.reward.kind == "genrm"
         else None
     )
-    for folder in (policy, genrm):
-        if folder is not None:
-            check_model(folder)
+    for folder, key, tokens in (
+        (policy, "rollout.max_new_tokens", job.rollout.max_new_tokens),
+        (genrm, "reward.max_new_tokens", job.reward.max_new_tokens),
+    ):
+        if folder is None:
+            continue
+        positions = getattr(check_model(folder), "max_position_embeddings", None)
+        if positions is not None and tokens >= positions:
+            raise ConfigError(
+                config,
+                key,
+                f"fewer than the model's {positions} positions (config.json "
+                f"max_position_embeddings of {folder}), leaving room for the prompt",
+                f"int {tokens}",
+            )
+    most = 8 * (os.cpu_count() or 1)
+    if job.cluster.devices > most:
+        raise ConfigError(
+            config,
+            "cluster.devices",
+            f"at most {most} (8 per CPU core here: each device is a process)",
+            f"int {job.cluster.devices}",
+        )
     inputs = read_inputs(job, config)
     if job.reward.system_prompt and not TextCodec.from_dir(genrm).has_chat_template:
         raise ConfigError(
@@ -416,11 +436,11 @@ def prepare(
     return job, policy, genrm, inputs
 
 
-def check_model(folder: Path) -> None:
+def check_model(folder: Path):  # noqa: ANN201 - DecoderSpec | FallbackSpec
     """What the agents and the trainer will load, read here first: a folder pivot cannot
     serve is one line naming the file and the key, before any child process starts. The
     tokenizer is the model's own (``AutoTokenizer``): it needs an eos token, and ids that the
-    model's embedding holds."""
+    model's embedding holds. Returns the folder's spec."""
     spec, _ = inspect_checkpoint(folder)
     codec = TextCodec.from_dir(folder)  # a TokenizerError (a ConfigError) names the file
     if spec.vocab_size is not None and codec.vocab_size > spec.vocab_size:
@@ -430,6 +450,7 @@ def check_model(folder: Path) -> None:
             f"at most {spec.vocab_size} tokens (config.json vocab_size)",
             f"{codec.vocab_size}",
         )
+    return spec
 
 
 @contextlib.contextmanager
@@ -465,6 +486,8 @@ def main(args: argparse.Namespace) -> int:
         config = check_resumed_config(run_dir, args.config, overrides)
     else:
         run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir()
+        if run_dir.exists() and not run_dir.is_dir():
+            raise ConfigError(str(run_dir), "--run-dir", "a directory", "a file")
         refuse_existing_run(run_dir)
         config = args.config or DEFAULT_CONFIG
     job, policy, genrm, inputs = prepare(config, overrides=overrides)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import re
+import sys
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,11 +32,21 @@ import msgspec
 T = TypeVar("T")
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+
+
+def Count(most: int) -> Any:  # noqa: N802 - a type, named like one
+    """A positive count with a ceiling: what no run on any machine needs more of, so that a
+    typo (``steps = 10**23``) is an error, not hours of allocating."""
+    return Annotated[int, msgspec.Meta(ge=1, le=most)]
+
+
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
-PositiveFloat = Annotated[float, msgspec.Meta(gt=0.0)]
-NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0.0)]
+# floats are finite: TOML writes inf and nan, and neither is a rate, a weight or a duration
+_FINITE = sys.float_info.max
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0.0, le=_FINITE)]
+NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0.0, le=_FINITE)]
 # a duration that must pass: a zero period or timeout would spin or never wait
-Seconds = Annotated[float, msgspec.Meta(gt=0.0)]
+Seconds = Annotated[float, msgspec.Meta(gt=0.0, le=_FINITE)]
 # a part of a whole that cannot be nothing (utilization, MFU, top_p, a smoothing weight)
 Fraction = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 # a part of a whole that may be nothing
@@ -130,7 +141,10 @@ def convert(raw: Any, type_: type[T], source: str) -> T:
         if c := _CONSTRAINT.match(what):
             found_ok, value = _lookup(raw, path)
             found = _describe(value) if found_ok else "?"
-            raise ConfigError(source, key, f"{c.group('type')} {c.group('rule')}", found) from None
+            expected = f"{c.group('type')} {c.group('rule')}"
+            if c.group("rule") == f"<= {_FINITE!r}":
+                expected = f"a finite {c.group('type')}"
+            raise ConfigError(source, key, expected, found) from None
         if u := _UNKNOWN.match(what):
             raise ConfigError(
                 source, _join(key, u.group("field")), "no such key (misspelt?)", "an unknown key"
@@ -254,6 +268,8 @@ def load_toml(path: str | Path, type_: type[T], overrides: Sequence[str] = ()) -
         text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(str(p), "", "an existing file", "no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(str(p), "", "a TOML file", "a directory") from None
     except UnicodeDecodeError:
         raise ConfigError(str(p), "", "UTF-8 text", "undecodable bytes") from None
     return decode_toml(text, type_, str(p), overrides)

@@ -14,6 +14,7 @@ from pivot.cluster import Role
 from pivot.config import (
     ConfigError,
     ConfigStruct,
+    Count,
     Fraction,
     NonNegativeFloat,
     NonNegativeInt,
@@ -33,7 +34,7 @@ class ClusterSection(ConfigStruct):
     are the shared pool of rollout and reward replicas.
     """
 
-    devices: PositiveInt = 4
+    devices: Count(4096) = 4
     threads_per_device: PositiveInt = 1
     trainer_devices: PositiveInt = 2
 
@@ -62,13 +63,13 @@ class ModelSection(ConfigStruct):
 
     policy: str = "tiny-policy"
     genrm: str = "tiny-genrm"
-    max_running: PositiveInt = 32
+    max_running: Count(65_536) = 32
 
 
 class RolloutSection(ConfigStruct):
-    prompts_per_step: PositiveInt = 16
-    samples_per_prompt: PositiveInt = 4
-    max_new_tokens: PositiveInt = 32
+    prompts_per_step: Count(1_000_000) = 16
+    samples_per_prompt: Count(4096) = 4
+    max_new_tokens: Count(1 << 20) = 32
     temperature: PositiveFloat = 1.0
     top_p: Fraction = 1.0
 
@@ -159,7 +160,7 @@ class JobConfig(ConfigStruct):
     """The whole job."""
 
     seed: NonNegativeInt = 0
-    steps: PositiveInt = 20
+    steps: Count(10_000_000) = 20
     cluster: ClusterSection = ClusterSection()
     deployment: DeploymentSection = DeploymentSection()
     model: ModelSection = ModelSection()

@@ -263,4 +263,21 @@ def inspect_checkpoint(path: str | Path) -> tuple[DecoderSpec | FallbackSpec, li
         raise CheckpointError(
             str(folder), "", "model.safetensors or model.safetensors.index.json", "neither"
         )
-    return spec, [folder / n for n in names]
+    files = [folder / n for n in names]
+    for path in files:
+        _check_header(path)
+    return spec, files
+
+
+def _check_header(path: Path) -> None:
+    """A weights file's header (its tensor table) parses: a truncated or corrupt file is one
+    line naming it here, not a child that dies while loading it. Reads the header only."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            f.keys()
+    except Exception as exc:  # safetensors raises its own error types for a bad file
+        raise CheckpointError(
+            str(path), "", "a safetensors file", f"unreadable ({str(exc)[:120]})"
+        ) from None

@@ -58,6 +58,9 @@ def test_a_model_folder_pivot_cannot_serve_is_named_before_any_child_starts(tmp_
         specials = json.loads((endless / name).read_text())
         del specials["eos_token"]
         (endless / name).write_text(json.dumps(specials))
+    corrupt = tmp_path / "corrupt"  # weights cut short, as by a failed copy
+    shutil.copytree(ASSETS / "tiny-policy", corrupt)
+    (corrupt / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{")
     untokenized = tmp_path / "untokenized"
     shutil.copytree(ASSETS / "tiny-policy", untokenized)
     (untokenized / "tokenizer.json").unlink()
@@ -81,6 +84,7 @@ def test_a_model_folder_pivot_cannot_serve_is_named_before_any_child_starts(tmp_
             "found none",
         ),
         (untokenized, f"{untokenized / 'tokenizer.json'}: expected a tokenizer", "found none"),
+        (corrupt, f"{corrupt / 'model.safetensors'}: expected a safetensors file", "unreadable"),
         (unweighted, f"{unweighted}: expected model.safetensors", "found neither"),
     ]
     for folder, where, what in cases:
@@ -148,6 +152,12 @@ BAD_INPUTS = [
         {},
         "key 'reward.checker': expected a checker",
     ),
+    # numbers that would run away or mean nothing
+    ("[rollout]\ntemperature = inf", {}, "key 'rollout.temperature': expected a finite float"),
+    ("[training]\nlr = nan", {}, "key 'training.lr': expected float > 0.0, found float nan"),
+    ("steps = 100000000000000000000000", {}, "key 'steps': expected int <= 10000000"),
+    ("[cluster]\ndevices = 4000", {}, "key 'cluster.devices': expected at most"),
+    ("[rollout]\nmax_new_tokens = 5000", {}, "key 'rollout.max_new_tokens': expected fewer"),
 ]
 
 
@@ -168,3 +178,18 @@ def test_each_bad_input_is_one_line_naming_it(tmp_path, capsys):
         [line] = err.splitlines()
         assert expected in line, (config, line)
         assert not run_dir.exists()
+
+
+def test_a_bad_flag_value_a_directory_config_and_a_file_run_dir_are_one_line(tmp_path, capsys):
+    from pivot.cli.main import main
+
+    (tmp_path / "file").write_text("not a directory\n")
+    cases = [
+        (["run", "--seed", "-5"], "key 'seed': expected int >= 0, found int -5"),
+        (["run", str(tmp_path)], f"{tmp_path}: expected a TOML file, found a directory"),
+        (["run", "--run-dir", str(tmp_path / "file")], "key '--run-dir': expected a directory"),
+    ]
+    for argv, expected in cases:
+        assert main(argv) == 2, argv
+        [line] = capsys.readouterr().err.splitlines()
+        assert expected in line, (argv, line)
