@@ -154,6 +154,7 @@ class DriverOptions:
     wait_for_controller: bool = False
     request_timeout: float = 30.0
     train_timeout: float = 600.0
+    stall_timeout: float | None = None  # a real job's: a step that stops progressing fails
     evaluation: Source | None = None
     eval_every: int = 0
     # a real job's checkpoints, and where a resumed one starts (pivot.actors.checkpoints)
@@ -291,6 +292,7 @@ def assemble(
         replicas={schedulers[Role.ROLLOUT]: deployment.replicas(Role.ROLLOUT)},
         request_timeout=driver.request_timeout,
         train_timeout=driver.train_timeout,
+        stall_timeout=driver.stall_timeout,
     )
     assembly = Assembly(deployment, supervisor, the_driver)
     # the hooks make requests as the driver, so they are bound once it exists

@@ -25,6 +25,7 @@ run lasts from the first step's start to the last step's end, not the sum.
            trainer=None, evaluation=None, eval_every=0, checkpoints=None, first_step=0,
            policy_version=0, staleness=0, on_step=None, replicas=None, on_batch_ready=None,
            before_first_step=None, startup_timeout=300.0, request_timeout=30.0,
+           stall_timeout=None,
            train_timeout=600.0)
         .reports, .finished (asyncio.Event), .policy_version
         .oldest_open_stage() -> "rollout" | "reward" | None
@@ -33,6 +34,7 @@ run lasts from the first step's start to the last step's end, not the sum.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 
 import msgspec
@@ -48,6 +50,10 @@ from pivot.actors.messages import (
 )
 from pivot.actors.sources import Sample, Source
 from pivot.bus import Actor, Bus, handles
+
+
+class StepStalled(RuntimeError):
+    """A step whose sequences stopped coming back: nothing will finish it."""
 
 
 class Scores(msgspec.Struct, frozen=True, kw_only=True):
@@ -160,6 +166,7 @@ class Driver(Actor):
         startup_timeout: float = 300.0,
         request_timeout: float = 30.0,
         train_timeout: float = 600.0,
+        stall_timeout: float | None = None,
         on_batch_ready: Callable[[], Awaitable[None]] | None = None,
         before_first_step: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
@@ -180,6 +187,8 @@ class Driver(Actor):
         self.on_step = on_step
         self.replicas = replicas or {rollout_scheduler: 1}
         self.startup_timeout = startup_timeout
+        # a step with no response and no score for this long is an error, not a hang
+        self.stall_timeout = stall_timeout
         self.request_timeout = request_timeout
         self.train_timeout = train_timeout
         # before the train request: e.g. tell the Controller to reclaim the trainer pool now
@@ -315,7 +324,7 @@ class Driver(Actor):
             if not self.staleness:
                 await self._submit(self._batch(step))
             batch = self._batch(step)
-            await batch.done.wait()
+            await self._until_done(batch)
             scored_at = self.clock.now()
             train = None
             request = self.source.train_request(batch.step, list(batch.samples.values()))
@@ -368,6 +377,25 @@ class Driver(Actor):
                 self._progress.clear()
                 await self._progress.wait()
             await self._submit(self._batch(step))
+
+    async def _until_done(self, batch: _Batch) -> None:
+        if self.stall_timeout is None:
+            await batch.done.wait()
+            return
+        seen = None
+        while not batch.done.is_set():
+            progress = (batch.responses, batch.scored)
+            if progress == seen:
+                n = len(batch.samples)
+                stage = "rollout" if batch.responses < n else "reward"
+                raise StepStalled(
+                    f"step {batch.step} made no progress for {self.stall_timeout:g} s: "
+                    f"{batch.responses}/{n} responses, {batch.scored}/{n} scored "
+                    f"(waiting on the {stage} stage)"
+                )
+            seen = progress
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(batch.done.wait(), self.stall_timeout)
 
     def _batch(self, step: int) -> _Batch:
         batch = self._open.get(step)

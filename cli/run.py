@@ -263,6 +263,7 @@ class Job:
                     keep=job.checkpoint.keep,
                     last_step=self.inputs.steps - 1,
                 ),
+                stall_timeout=job.control.stall_timeout_s,
                 first_step=self.resume.state.next_step if self.resume else 0,
                 policy_version=self.resume.state.policy_version if self.resume else 0,
             ),

@@ -147,10 +147,14 @@ class LogSection(ConfigStruct):
 
 class ControlSection(ConfigStruct):
     """The Controller's pace. The paper's constants (60 s horizon, 10 s cooldown) are for
-    steps of minutes; the tiny job's steps take seconds, so its defaults are scaled down."""
+    steps of minutes; the tiny job's steps take seconds, so its defaults are scaled down.
+    ``stall_timeout_s``: a step during which no response and no score arrives for this long
+    stops the job with an error naming the stage it waits on (a lost sequence would
+    otherwise hang it)."""
 
     interval_s: Seconds = 0.1
     command_timeout_s: Seconds = 60.0
+    stall_timeout_s: Seconds = 300.0
     planner: PlannerSettings = PlannerSettings(
         horizon_s=4.0, cooldown_s=0.3, immunity_s=0.3, migrate_time_init_s=0.3
     )

@@ -607,3 +607,53 @@ def test_a_step_whose_rewards_all_fail_reports_none_and_does_not_train():
         assert r.scores.reward_mean is None and r.train is None
         assert r.scores.failures_by_cause == {"exception": 4}
     assert [r.policy_version for r in reports] == [0, 0]
+
+
+class Swallowing(Actor):
+    """A rollout scheduler stand-in that accepts every sequence and answers one, then no
+    more: a replica that died holding the rest."""
+
+    @handles
+    async def submit(self, msg: SubmitSequences) -> Accepted:
+        first = msg.sequences[0]
+        completion = Completion(
+            seq_id=first.seq_id,
+            token_ids=CODEC.encode(worked_response(CODEC.decode(first.prompt_ids)), bos=False),
+            logprobs=[],
+            finish_reason=FinishReason.STOP,
+            replica="echo",
+        )
+        self.spawn(self.request("driver", Completed(role="rollout", completions=[completion])))
+        return Accepted(count=len(msg.sequences))
+
+    @handles
+    def status(self, msg: QueryStatus) -> SchedulerStatus:
+        return SchedulerStatus(role="rollout", replicas=["echo"], queued=0, running=0, completed=0)
+
+
+def test_a_step_that_stops_progressing_is_an_error_naming_the_stage():
+    from pivot.actors.driver import StepStalled
+
+    async def main(clock):
+        bus = Bus.local(rl_messages(), transport=LocalTransport(), clock=clock)
+        source = task_source(
+            CODEC, seed=0, prompts_per_step=2, samples_per_prompt=2, sampling=SamplingParams()
+        )
+        scheduler = Swallowing("echo", bus)
+        driver = Driver(
+            "driver", bus, source=source, steps=3, rollout_scheduler="echo", stall_timeout=30.0
+        )
+        for actor in (scheduler, driver):
+            await actor.start()
+        with pytest.raises(StepStalled) as stalled:
+            await driver.wait()
+        stopped_at = clock.now()
+        for actor in (driver, scheduler):
+            await actor.stop()
+        return str(stalled.value), stopped_at
+
+    message, stopped_at = run_virtual(main)
+    assert message == (
+        "step 0 made no progress for 30 s: 1/4 responses, 1/4 scored (waiting on the rollout stage)"
+    )
+    assert 30.0 <= stopped_at <= 61.0  # within two windows of the last progress
