@@ -21,7 +21,6 @@ import msgspec
 from pivot.engines.context import RoleContext
 from pivot.engines.protocol import (
     ContextKind,
-    DuplicateSequence,
     EngineStats,
     FinishedSequence,
     FinishReason,
@@ -31,6 +30,7 @@ from pivot.engines.protocol import (
     SeqId,
     StepOutput,
     TokenEvent,
+    checked_add,
 )
 from pivot.planning.cost import CostModel
 
@@ -146,30 +146,17 @@ class ScriptedEngine:
         sampling: SamplingParams | None = None,
         generated_logprobs: Sequence[float] | None = None,
     ) -> None:
-        self._context.check_serving("add a sequence")
-        sampling = sampling or SamplingParams()
-        if self._holds(seq_id):
-            raise DuplicateSequence(f"sequence {seq_id!r} is already in this engine")
-        prompt, generated = tuple(int(t) for t in prompt_ids), [int(t) for t in generated_ids]
-        if not prompt:
-            raise ValueError(f"sequence {seq_id!r}: empty prompt")
-        logprobs = [float(x) for x in generated_logprobs] if generated_logprobs is not None else []
-        if len(logprobs) != len(generated):
-            raise ValueError(
-                f"sequence {seq_id!r}: {len(generated)} generated_ids need as many "
-                f"generated_logprobs, got {len(logprobs)}"
-            )
-        if len(generated) >= sampling.max_new_tokens:
-            raise ValueError(
-                f"sequence {seq_id!r}: already has {len(generated)} generated tokens, "
-                f"max_new_tokens is {sampling.max_new_tokens}"
-            )
-        if len(prompt) + sampling.max_new_tokens > self.kv_capacity_tokens:
-            raise ValueError(
-                f"sequence {seq_id!r}: prompt ({len(prompt)}) + max_new_tokens "
-                f"({sampling.max_new_tokens}) exceeds this engine's KV capacity of "
-                f"{self.kv_capacity_tokens} tokens"
-            )
+        prompt_list, generated, logprobs, sampling = checked_add(
+            seq_id,
+            prompt_ids,
+            generated_ids,
+            sampling,
+            generated_logprobs,
+            context=self._context,
+            holds=self._holds,
+            kv_capacity_tokens=self.kv_capacity_tokens,
+        )
+        prompt = tuple(prompt_list)
         if sampling.seed is None:
             sampling = msgspec.structs.replace(
                 sampling, seed=self._seed * _SEED_STRIDE + self._seeded

@@ -50,7 +50,6 @@ from pivot.config import ConfigStruct, Fraction, NonNegativeFloat, PositiveFloat
 from pivot.engines.context import RoleContext
 from pivot.engines.protocol import (
     ContextKind,
-    DuplicateSequence,
     EngineError,
     EngineStats,
     FinishedSequence,
@@ -61,6 +60,7 @@ from pivot.engines.protocol import (
     SeqId,
     StepOutput,
     TokenEvent,
+    checked_add,
 )
 from pivot.planning.cost import ITL_FLOOR_S, CostModel
 
@@ -232,40 +232,29 @@ class SimInferenceEngine:
         sampling: SamplingParams | None = None,
         generated_logprobs: Sequence[float] | None = None,
     ) -> None:
-        self._context.check_serving("add a sequence")
-        sampling = sampling or SamplingParams()
-        if seq_id in self._held:
-            raise DuplicateSequence(f"sequence {seq_id!r} is already in this engine")
-        prompt_len = len(prompt_ids)
-        if prompt_len == 0:
-            raise ValueError(f"sequence {seq_id!r}: empty prompt")
-        handed: tuple[int, ...] = ()
-        logprobs: tuple[float, ...] = ()
-        if self.placeholders:
-            handed_count = len(generated_ids)
-        else:
-            handed = tuple(generated_ids)
-            handed_count = len(handed)
-            if generated_logprobs is not None:
-                logprobs = tuple(float(x) for x in generated_logprobs)
-            if len(logprobs) != handed_count:
-                raise ValueError(
-                    f"sequence {seq_id!r}: {handed_count} generated_ids need as many "
-                    f"generated_logprobs, got {len(logprobs)}"
-                )
-        target = sampling.max_new_tokens
-        if handed_count >= target:
-            raise ValueError(
-                f"sequence {seq_id!r}: already has {handed_count} generated tokens, "
-                f"max_new_tokens is {target}"
-            )
-        if prompt_len + target > self.kv_capacity_tokens:
-            raise ValueError(
-                f"sequence {seq_id!r}: prompt ({prompt_len}) + max_new_tokens ({target}) exceeds "
-                f"this engine's KV capacity of {self.kv_capacity_tokens} tokens"
-            )
-        reason = FinishReason.LENGTH if sampling.ignore_eos else FinishReason.STOP
-        s = _SimSequence(seq_id, prompt_len, target, handed, logprobs, reason, handed_count)
+        # only the lengths of the ids are read: they may be Placeholders, which carry no ids
+        prompt, generated, logprobs, sampling = checked_add(
+            seq_id,
+            prompt_ids,
+            generated_ids,
+            sampling,
+            generated_logprobs,
+            context=self._context,
+            holds=self._held.__contains__,
+            kv_capacity_tokens=self.kv_capacity_tokens,
+            tokens=False,
+            logprobs=not self.placeholders,
+        )
+        handed = () if self.placeholders else tuple(generated)
+        s = _SimSequence(
+            seq_id,
+            len(prompt),
+            sampling.max_new_tokens,
+            handed,
+            tuple(logprobs),
+            FinishReason.LENGTH if sampling.ignore_eos else FinishReason.STOP,
+            len(generated),
+        )
         self._held[seq_id] = s
         self._waiting.append(s)
 

@@ -1,5 +1,6 @@
 """What pivot's torch-based engines share around their forward (``SteppedEngine``): the queue
-of waiting and running sequences, ``add``'s validation, ``abort`` with partial outputs, the
+of waiting and running sequences, ``add`` (``pivot.engines.protocol.checked_add`` with the
+vocabulary and max_seq_len, then the stop-token check), ``abort`` with partial outputs, the
 step (admit, decode, prefill, sample, finish), the stats, and sampling by (seed, position)
 (``seed_at``, ``sample``), so that every such engine keeps the protocol's promises the same
 way and draws the same tokens from the same logits. A backend supplies the forward:
@@ -19,7 +20,6 @@ import torch
 from pivot.engines.context import RoleContext
 from pivot.engines.protocol import (
     ContextKind,
-    DuplicateSequence,
     EngineNotServing,
     EngineStats,
     FinishedSequence,
@@ -29,6 +29,7 @@ from pivot.engines.protocol import (
     SeqId,
     StepOutput,
     TokenEvent,
+    checked_add,
 )
 
 _MASK64 = (1 << 64) - 1
@@ -189,36 +190,17 @@ class SteppedEngine:
         sampling: SamplingParams | None = None,
         generated_logprobs: Sequence[float] | None = None,
     ) -> None:
-        self._context.check_serving("add a sequence")
-        sampling = sampling or SamplingParams()
-        if self._holds(seq_id):
-            raise DuplicateSequence(f"sequence {seq_id!r} is already in this engine")
-        prompt, generated = [int(t) for t in prompt_ids], [int(t) for t in generated_ids]
-        if not prompt:
-            raise ValueError(f"sequence {seq_id!r}: empty prompt")
-        bad = [t for t in prompt + generated if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"sequence {seq_id!r}: token ids {bad[:5]} outside the vocabulary "
-                f"(0..{self.vocab_size - 1})"
-            )
-        logprobs = [float(x) for x in generated_logprobs] if generated_logprobs is not None else []
-        if len(logprobs) != len(generated):
-            raise ValueError(
-                f"sequence {seq_id!r}: {len(generated)} generated_ids need as many "
-                f"generated_logprobs, got {len(logprobs)}"
-            )
-        context = len(prompt) + len(generated)
-        if context > self.max_seq_len:
-            raise ValueError(
-                f"sequence {seq_id!r}: prompt + generated is {context} tokens, more than "
-                f"this engine's max_seq_len {self.max_seq_len}"
-            )
-        if len(generated) >= sampling.max_new_tokens:
-            raise ValueError(
-                f"sequence {seq_id!r}: already has {len(generated)} generated tokens, "
-                f"max_new_tokens is {sampling.max_new_tokens}"
-            )
+        prompt, generated, logprobs, sampling = checked_add(
+            seq_id,
+            prompt_ids,
+            generated_ids,
+            sampling,
+            generated_logprobs,
+            context=self._context,
+            holds=self._holds,
+            vocab_size=self.vocab_size,
+            max_seq_len=self.max_seq_len,
+        )
         stop_ids = frozenset(sampling.stop_token_ids) | (
             frozenset() if sampling.ignore_eos else self.eos_token_ids
         )
