@@ -17,7 +17,6 @@ import contextlib
 import os
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -46,6 +45,7 @@ from pivot.actors.sources import FunctionReward, GenRMJudge, PromptSource
 from pivot.actors.vocabulary import rl_messages
 from pivot.assets import ASSETS
 from pivot.bus import Bus, Directory, RestartPolicy, Supervisor, configure_logging, run_real
+from pivot.bus.sockets import make_socket_dir, remove_orphaned_socket_dirs
 from pivot.cli.inputs import EVAL_IDS, Inputs, read_inputs
 from pivot.cli.live import LiveView
 from pivot.cli.plot import plot_run
@@ -139,8 +139,10 @@ class Job:
         self.tracker = tracker or NoTracker()
         self.deployment = job.plan()
         self.assembly: Assembly | None = None
-        # ipc paths must stay under ~100 bytes: sockets live in a short temporary folder
-        self.sockets = Path(tempfile.mkdtemp(prefix="pivot-"))
+        # ipc paths must stay under ~100 bytes: sockets live in a short temporary folder; those
+        # of runs killed before they could remove theirs go now
+        remove_orphaned_socket_dirs()
+        self.sockets = make_socket_dir()
         directory = Directory.ipc(self.sockets, self._names())
         self.bus = Bus.nng(directory, rl_messages())
         checkpoints = {Role.ROLLOUT: self.policy}
