@@ -122,7 +122,8 @@ class ControllerSettings(ConfigStruct, kw_only=True):
 
 
 def open_journal(path: str | Path, *, fsync: bool = True) -> Journal:
-    """The shift journal at ``path`` (created if missing; a torn tail is cut off)."""
+    """The shift journal at ``path`` (created if missing; a damaged one is kept aside and
+    repaired from its intact records, see ``pivot.actors.journal``)."""
     return Journal(path, type_=ShiftRecord, fsync=fsync)
 
 
@@ -454,7 +455,7 @@ class Controller(Actor):
         opened = self.journal.opened
         if opened.problem is not None:
             self.journal_problems.append(opened.problem)
-            self.log.warning("journal tail cut off", problem=opened.problem)
+            self.log.warning("journal damaged, read what was intact", problem=opened.problem)
         state = recover(opened.records)
         self.journal_problems.extend(state.problems)
         self._next_txn = state.next_txn

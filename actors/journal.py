@@ -1,11 +1,21 @@
 """The journal file: append-only, each record fsync'ed before the action it records.
 
-Framing is ``pivot.journal``'s (length + CRC32 framed msgpack). Opening a journal replays it
-and cuts off a torn or corrupt tail (a writer killed mid-append), so that new records never
-land behind garbage that replay would stop at; ``opened`` says what was found.
+Framing is ``pivot.journal``'s (length + CRC32 framed msgpack). Opening a journal replays it;
+one that does not read cleanly to its end is repaired so that new records never land behind
+garbage that replay would stop at, and no intact record is lost on the way:
 
-    journal = Journal(path, type_=ShiftRecord)     # replays, truncates a torn tail
+- damage with nothing intact after it (a writer killed mid-append, the usual case): the bytes
+  cut off the end are kept in ``<name>.tail-<n>``, then the file is truncated there;
+- damage with intact records after it (a flipped byte mid-file): the original is kept,
+  byte for byte, as ``<name>.damaged-<n>``, and the journal is rewritten from every intact
+  record, before and after the damage.
+
+``opened`` says what was found; its ``problem`` names every span skipped and where the
+damaged bytes were kept.
+
+    journal = Journal(path, type_=ShiftRecord)     # replays, repairs a damaged journal
     journal.opened.records / .problem               # what was there when opened
+    journal.skipped / .kept_aside                   # what the repair skipped, and kept where
     journal.append(record)                          # write + flush + fsync, then return
     journal.replay() -> Replay                      # read the file again
 """
@@ -13,10 +23,11 @@ land behind garbage that replay would stop at; ``opened`` says what was found.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
-from pivot.journal import Replay, decode_records, encode_record
+from pivot.journal import Replay, Skipped, decode_records, encode_record, recover_records
 
 
 class Journal:
@@ -31,17 +42,62 @@ class Journal:
         self._file = open(self.path, "a+b")  # noqa: SIM115 - held open for the journal's life
         if created:
             self._sync_dir()
+        self.skipped: list[Skipped] = []
+        self.kept_aside: Path | None = None
         self.opened = self.replay()
         if self.opened.problem is not None:
-            # a torn tail: drop it so that appends follow the last intact record
-            self._file.truncate(self.opened.valid_bytes)
-            self._sync()
+            self.opened = self._repair()
         self.appended = 0
 
     def replay(self) -> Replay:
         """Every intact record from the start of the file, up to the first torn one."""
         self._file.flush()
         return decode_records(self.path.read_bytes(), self.type_)
+
+    def _repair(self) -> Replay:
+        data = self.path.read_bytes()
+        recovery = recover_records(data, self.type_)
+        self.skipped = recovery.skipped
+        intact_end = self.opened.valid_bytes
+        if len(recovery.frames) == len(self.opened.records):
+            # nothing intact past the damage: keeping just the bytes cut off is enough
+            self.kept_aside = self._aside("tail")
+            self._write_durably(self.kept_aside, data[intact_end:])
+            self._file.truncate(intact_end)
+            self._sync()
+            kept = f"the {len(data) - intact_end} bytes cut off kept in {self.kept_aside.name}"
+        else:
+            self._file.close()
+            self.kept_aside = self._aside("damaged")
+            try:
+                os.link(self.path, self.kept_aside)
+            except OSError:  # a file system without hard links
+                shutil.copyfile(self.path, self.kept_aside)
+            intact = b"".join(data[start:end] for start, end in recovery.frames)
+            fresh = self.path.with_name(self.path.name + ".recovering")
+            self._write_durably(fresh, intact)
+            os.replace(fresh, self.path)
+            self._sync_dir()
+            self._file = open(self.path, "a+b")  # noqa: SIM115
+            intact_end = len(intact)
+            kept = f"the damaged journal kept as {self.kept_aside.name}"
+        problem = "; ".join([*map(str, self.skipped), kept])
+        return Replay(recovery.records, intact_end, problem)
+
+    def _aside(self, kind: str) -> Path:
+        """The first ``<name>.<kind>-<n>`` not taken (one writer opens a journal at a time)."""
+        n = 1
+        while (aside := self.path.with_name(f"{self.path.name}.{kind}-{n}")).exists():
+            n += 1
+        return aside
+
+    def _write_durably(self, path: Path, data: bytes) -> None:
+        with open(path, "wb") as out:
+            out.write(data)
+            out.flush()
+            if self.fsync:
+                os.fsync(out.fileno())
+        self._sync_dir()
 
     def append(self, record: Any) -> None:
         """Write one record and make it durable before returning."""

@@ -1,5 +1,5 @@
 """Supervision: start actors (as tasks or child processes), restart crashed ones per
-policy, stop everything on SIGINT/SIGTERM or when a child crashes too often.
+policy, stop everything on SIGINT/SIGTERM/SIGHUP or when a child crashes too often.
 
 Restart policy (per child): a crashed child is restarted after an exponential
 backoff (``backoff * backoff_factor**n``, capped at ``backoff_max``, where n counts
@@ -34,6 +34,9 @@ from pivot.bus.errors import BusError
 from pivot.bus.logs import get_logger
 
 ActorFactory = Callable[[], Actor | Awaitable[Actor]]
+
+#: Each stops everything as cleanly as the others: Ctrl-C, ``kill``, a closed terminal.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class RestartPolicy(msgspec.Struct, frozen=True, kw_only=True):
@@ -243,6 +246,7 @@ class Supervisor:
         self._stop_task: asyncio.Task[None] | None = None
         # the signal that stopped it (a start that fails after one was interrupted, not broken)
         self.signalled: signal.Signals | None = None
+        self._handlers_before: dict[signal.Signals, Any] = {}
 
     # -- configuration
 
@@ -360,7 +364,7 @@ class Supervisor:
             raise self._escalation
 
     async def run(self, *, handle_signals: bool = True) -> None:
-        """start, wait, and stop on the way out; SIGINT/SIGTERM stop cleanly."""
+        """start, wait, and stop on the way out; SIGINT/SIGTERM/SIGHUP stop cleanly."""
         if handle_signals:
             self.install_signal_handlers()
         try:
@@ -372,18 +376,31 @@ class Supervisor:
                 self.remove_signal_handlers()
 
     def install_signal_handlers(self) -> None:
+        """Each of ``STOP_SIGNALS`` stops everything (``signalled`` says which came first);
+        one ignored now (``nohup``'s SIGHUP) stays ignored."""
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in STOP_SIGNALS:
+            before = signal.getsignal(sig)
+            if before is signal.SIG_IGN:
+                continue
+            self._handlers_before[sig] = before
             loop.add_signal_handler(sig, self._on_signal, sig)
 
     def remove_signal_handlers(self) -> None:
+        """The handlers from before ``install_signal_handlers`` back."""
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig, before in self._handlers_before.items():
             loop.remove_signal_handler(sig)
+            # the loop leaves the default (SIGTERM, SIGHUP: die with no word), not what the
+            # caller had, e.g. a handler that unwinds it as Ctrl-C does
+            if before is not None:
+                signal.signal(sig, before)
+        self._handlers_before.clear()
 
     def _on_signal(self, sig: signal.Signals) -> None:
         self.log.info("signal received, stopping", signal=signal.Signals(sig).name)
-        self.signalled = signal.Signals(sig)
+        if self.signalled is None:
+            self.signalled = signal.Signals(sig)
         self._stop_task = asyncio.get_running_loop().create_task(self.stop())
 
     async def stop(self) -> None:

@@ -5,8 +5,9 @@ A line says when (seconds since the journal's first record, on the Controller's 
 which transaction, the record's kind (``planned``) or the phase it reached, and for a plan its
 kind, receiver, moves and expected gain; ``--json`` prints each record as one JSON object
 (its ``type`` "planned" or "phase", the fields of ``pivot.shift.ShiftPlanned`` /
-``PhaseReached``). The file is only read: a torn tail (a Controller killed mid-append) is
-reported on stderr after the intact records, not cut off as the Controller's reopening does.
+``PhaseReached``). The file is only read: every intact record is printed, past a damaged
+one, and each damaged record (a torn tail from a Controller killed mid-append, a flipped byte)
+is named on stderr with the bytes skipped; the Controller's reopening is what repairs the file.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 import msgspec
 
 from pivot.config import ConfigError
-from pivot.journal import decode_records
+from pivot.journal import Skipped, recover_records
 from pivot.shift import PhaseReached, ShiftPlanned, ShiftRecord
 
 JOURNAL_NAME = "shift.journal"
@@ -48,8 +49,10 @@ def record_line(record: ShiftPlanned | PhaseReached, origin: float) -> str:
     return f"{head} {record.phase.value}"
 
 
-def read_journal(run_dir: str | Path) -> tuple[list[ShiftPlanned | PhaseReached], str | None]:
-    """The journal's intact records and what stopped the reading (None: the whole file)."""
+def read_journal(
+    run_dir: str | Path,
+) -> tuple[list[ShiftPlanned | PhaseReached], list[Skipped]]:
+    """The journal's intact records and the damaged ones skipped (none: the whole file)."""
     path = Path(run_dir) / JOURNAL_NAME
     try:
         data = path.read_bytes()
@@ -57,12 +60,12 @@ def read_journal(run_dir: str | Path) -> tuple[list[ShiftPlanned | PhaseReached]
         raise ConfigError(
             str(path), "", "a shift journal (a pivot run under deployment pivot)", "no such file"
         ) from None
-    replay = decode_records(data, ShiftRecord)
-    return replay.records, replay.problem
+    recovery = recover_records(data, ShiftRecord)
+    return recovery.records, recovery.skipped
 
 
 def main(args: argparse.Namespace) -> int:
-    records, problem = read_journal(args.run_dir)
+    records, skipped = read_journal(args.run_dir)
     origin = records[0].at if records else 0.0
     encoder = msgspec.json.Encoder()
     try:
@@ -76,8 +79,8 @@ def main(args: argparse.Namespace) -> int:
         # `pivot journal RUN | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    if problem is not None:
-        print(f"pivot journal: the journal ends in a damaged record: {problem}", file=sys.stderr)
+    for skip in skipped:
+        print(f"pivot journal: damaged, not printed: {skip}", file=sys.stderr)
     return 0
 
 

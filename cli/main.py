@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from pivot import __version__
+from pivot.cli import interrupts
 from pivot.cli.runconfig import DEFAULT_CONFIG
 from pivot.config import ConfigError
 from pivot.deployment import KIND_NAMES
@@ -144,13 +145,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        return args.func(args)
+        with interrupts.stop_signals():
+            return args.func(args)
     except ConfigError as exc:
         print(f"pivot: config error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("pivot: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:  # SIGINT, SIGTERM or SIGHUP: 130, 143 or 129
+        return interrupts.report(exc)
 
 
 if __name__ == "__main__":

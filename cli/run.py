@@ -17,7 +17,6 @@ import contextlib
 import os
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -46,8 +45,10 @@ from pivot.actors.sources import FunctionReward, GenRMJudge, PromptSource
 from pivot.actors.vocabulary import rl_messages
 from pivot.assets import ASSETS
 from pivot.bus import Bus, Directory, RestartPolicy, Supervisor, configure_logging, run_real
+from pivot.bus.sockets import make_socket_dir, remove_orphaned_socket_dirs
 from pivot.bus.supervisor import SupervisorEscalation
 from pivot.cli.inputs import EVAL_IDS, Inputs, read_inputs
+from pivot.cli.interrupts import Interrupted, signal_of
 from pivot.cli.live import LiveView
 from pivot.cli.plot import plot_run
 from pivot.cli.resume import (
@@ -140,8 +141,10 @@ class Job:
         self.tracker = tracker or NoTracker()
         self.deployment = job.plan()
         self.assembly: Assembly | None = None
-        # ipc paths must stay under ~100 bytes: sockets live in a short temporary folder
-        self.sockets = Path(tempfile.mkdtemp(prefix="pivot-"))
+        # ipc paths must stay under ~100 bytes: sockets live in a short temporary folder; those
+        # of runs killed before they could remove theirs go now
+        remove_orphaned_socket_dirs()
+        self.sockets = make_socket_dir()
         directory = Directory.ipc(self.sockets, self._names())
         self.bus = Bus.nng(directory, rl_messages())
         checkpoints = {Role.ROLLOUT: self.policy}
@@ -290,7 +293,7 @@ class Job:
                 await sup.start()
             except Exception:
                 if sup.signalled is not None:  # children stopped by the signal mid-start
-                    raise KeyboardInterrupt from None
+                    raise Interrupted(sup.signalled) from None
                 raise
             done = asyncio.ensure_future(driver.finished.wait())
             failed = asyncio.ensure_future(sup.wait())
@@ -298,7 +301,7 @@ class Job:
             if failed.done():
                 failed.result()  # raises the escalation
                 if sup.signalled is not None:
-                    raise KeyboardInterrupt
+                    raise Interrupted(sup.signalled)
             failed.cancel()
         finally:
             await sup.stop()
@@ -547,10 +550,12 @@ def main(args: argparse.Namespace) -> int:
         runner = Job(job, policy, genrm, inputs, run_dir, console, view, tracker, resume)
         with logs_to(run_dir / "actors.log"), Live(view, console=console, refresh_per_second=4):
             reports, monitor = run_real(runner.run())
-    except KeyboardInterrupt:
-        console.print(
-            f"\ninterrupted after {view.done} steps; every child stopped; what ran is in {run_dir}"
-        )
+    except KeyboardInterrupt as exc:
+        with contextlib.suppress(OSError):  # SIGHUP: the terminal may be gone
+            console.print(
+                f"\ninterrupted by {signal_of(exc).name} after {view.done} steps; every child "
+                f"stopped; what ran is in {run_dir}"
+            )
         raise
     except SupervisorEscalation as exc:
         # a child died and may not come back: say which and why in one line, and how to go on

@@ -320,3 +320,52 @@ async def test_a_child_says_why_it_died_before_and_after_ready(tmp_path_factory)
     text = str(escalated.value)
     assert "child 'echo' failed (exit code 1: RuntimeError: crash requested)" in text
     assert "is not restarted" in text and "again" not in text
+
+
+def test_sighup_stops_everything_and_the_handler_from_before_comes_back() -> None:
+    def before(signum: int, frame: object) -> None:
+        raise AssertionError("the supervisor's handler should have taken SIGHUP")
+
+    async def main(clock: object) -> Supervisor:
+        bus = Bus.local(TESTING_MESSAGES)
+        supervisor = Supervisor()
+        supervisor.add_actor("echo", lambda: EchoActor("echo", bus))
+        supervisor.install_signal_handlers()
+        try:
+            await supervisor.start()
+            signal.raise_signal(signal.SIGHUP)
+            async with asyncio.timeout(30):  # a guard against a hang, not a measurement
+                await supervisor.wait()
+        finally:
+            supervisor.remove_signal_handlers()
+        return supervisor
+
+    saved = signal.signal(signal.SIGHUP, before)
+    try:
+        supervisor = run_real(main)  # uvloop, as pivot run
+        assert signal.getsignal(signal.SIGHUP) is before
+    finally:
+        signal.signal(signal.SIGHUP, saved)
+    assert supervisor.signalled is signal.SIGHUP
+    assert timeline(supervisor, "echo")[-1][1] == "stopped"
+
+
+def test_a_signal_ignored_before_stays_ignored() -> None:
+    async def main(clock: object) -> Supervisor:
+        supervisor = Supervisor()
+        supervisor.add_actor("echo", lambda: EchoActor("echo", Bus.local(TESTING_MESSAGES)))
+        supervisor.install_signal_handlers()
+        try:
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN  # nohup: the job goes on
+            await supervisor.start()
+        finally:
+            await supervisor.stop()
+            supervisor.remove_signal_handlers()
+        return supervisor
+
+    saved = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        run_real(main)
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, saved)

@@ -1,5 +1,7 @@
-"""Ctrl-C on `pivot run`: every child process (role agents, trainer ranks) stops, the run
-directory keeps the steps done, and the exit code says interrupted (130)."""
+"""`kill` (SIGTERM) or a closed terminal (SIGHUP) on `pivot run` stops it as Ctrl-C does: every
+child process (role agents, trainer ranks) stops, the run directory keeps the steps done, the
+socket folder goes, and the exit code is 128 + the signal's (143, 129). Ctrl-C itself (130) is
+tests/e2e/test_run.py's resume test."""
 
 from __future__ import annotations
 
@@ -7,8 +9,11 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+
+import pytest
 
 
 def _descendants(pid: int) -> set[int]:
@@ -36,7 +41,16 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def test_ctrl_c_mid_run_stops_every_child_and_keeps_the_steps_done(tmp_path):
+def _socket_folders(pid: int) -> list[Path]:
+    return [
+        folder
+        for folder in Path(tempfile.gettempdir()).glob("pivot-*")
+        if (folder / "owner").is_file() and (folder / "owner").read_text().split()[:1] == [str(pid)]
+    ]
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+def test_a_signal_mid_run_stops_every_child_and_keeps_the_steps_done(tmp_path, sig, code):
     config = tmp_path / "long.toml"
     config.write_text(
         "steps = 100\n[cluster]\ndevices = 3\ntrainer_devices = 1\n"
@@ -59,14 +73,17 @@ def test_ctrl_c_mid_run_stops_every_child_and_keeps_the_steps_done(tmp_path):
         assert any(line.startswith("step   1 ") for line in lines), "".join(lines)[-3000:]
         children = _descendants(process.pid)
         assert len(children) >= 4  # three role agents and a trainer rank at least
-        process.send_signal(signal.SIGINT)
+        assert len(_socket_folders(process.pid)) == 1
+        process.send_signal(sig)
         rest, _ = process.communicate(timeout=120)
     finally:
         if process.poll() is None:
             os.killpg(os.getpgid(process.pid), signal.SIGKILL)
-    assert process.returncode == 130, rest[-3000:]
-    assert "interrupted after" in rest
+    assert process.returncode == code, rest[-3000:]
+    assert f"interrupted by {sig.name} after" in rest
+    assert rest.rstrip().endswith(f"pivot: interrupted by {sig.name}")
     time.sleep(0.5)
     assert [pid for pid in children if _alive(pid)] == []
     steps = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert len(steps) >= 2
+    assert _socket_folders(process.pid) == []

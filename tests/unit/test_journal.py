@@ -1,5 +1,6 @@
 """Journal framing (pure) and the journal file: what replay returns after torn writes,
-flipped bits and garbage is exactly the intact prefix of records."""
+flipped bits and garbage is exactly the intact prefix of records; what recovery returns is
+every intact record, and opening a damaged journal keeps the damaged bytes aside."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from hypothesis import strategies as st
 
 from pivot.actors.journal import Journal
 from pivot.cluster import Move, Role
-from pivot.journal import HEADER, JournalError, decode_records, encode_record
+from pivot.journal import HEADER, JournalError, decode_records, encode_record, recover_records
 from pivot.planning.plans import ShiftPlan
 from pivot.shift import Phase, PhaseReached, ShiftPlanned, ShiftRecord
 
@@ -153,16 +154,110 @@ def test_reopening_cuts_a_torn_tail_so_new_records_are_readable(tmp_path):
         assert journal.opened.problem is None
 
 
-def test_a_corrupt_record_ends_the_file_at_the_intact_prefix(tmp_path):
+def test_a_flipped_byte_mid_file_keeps_the_original_aside_and_every_intact_record(tmp_path):
+    path = tmp_path / "shift.journal"
+    with Journal(path) as journal:
+        for i in range(341):
+            journal.append({"n": i, "pad": "x" * (i % 7)})
+    whole = path.read_bytes()
+    ends = _frames([{"n": i, "pad": "x" * (i % 7)} for i in range(341)])[1]
+    damaged = bytearray(whole)
+    damaged[ends[169] + HEADER.size + 2] ^= 0xFF  # inside record 170's payload
+    path.write_bytes(bytes(damaged))
+    with Journal(path) as journal:
+        opened = journal.opened
+        assert [r["n"] for r in opened.records] == [i for i in range(341) if i != 170]
+        [skip] = journal.skipped
+        assert (skip.index, skip.offset, skip.length) == (170, ends[169], ends[170] - ends[169])
+        assert "record 170 at byte" in opened.problem and "CRC mismatch" in opened.problem
+        assert journal.kept_aside == tmp_path / "shift.journal.damaged-1"
+        assert "shift.journal.damaged-1" in opened.problem
+        journal.append({"n": 341})
+    assert (tmp_path / "shift.journal.damaged-1").read_bytes() == bytes(damaged)
+    again = decode_records(path.read_bytes())
+    assert again.problem is None
+    assert [r["n"] for r in again.records] == [*(i for i in range(341) if i != 170), 341]
+
+
+def test_a_damaged_length_field_is_skipped_to_the_next_intact_record(tmp_path):
     path = tmp_path / "journal"
     with Journal(path) as journal:
-        for i in range(3):
+        for i in range(5):
             journal.append(i)
     data = bytearray(path.read_bytes())
-    second = len(encode_record(0))
-    data[second + HEADER.size] ^= 0x10  # inside record 1's payload
+    record = len(encode_record(0))
+    data[2 * record] ^= 0x01  # record 2's length: its frame's end is unknown
     path.write_bytes(bytes(data))
     with Journal(path) as journal:
-        assert journal.opened.records == [0]
-        assert "CRC" in journal.opened.problem
-        assert path.stat().st_size == second
+        assert journal.opened.records == [0, 1, 3, 4]
+        assert [(s.index, s.offset, s.length) for s in journal.skipped] == [(2, 2 * record, record)]
+
+
+def test_a_second_damage_keeps_the_first_copy_and_numbers_the_next(tmp_path):
+    path = tmp_path / "journal"
+    with Journal(path) as journal:
+        for i in range(4):
+            journal.append(i)
+    record = len(encode_record(0))
+    copies = []
+    for hit in (1, 1):
+        data = bytearray(path.read_bytes())
+        data[hit * record + HEADER.size] ^= 0x10
+        path.write_bytes(bytes(data))
+        copies.append(bytes(data))
+        Journal(path).close()
+    assert (tmp_path / "journal.damaged-1").read_bytes() == copies[0]
+    assert (tmp_path / "journal.damaged-2").read_bytes() == copies[1]
+    assert decode_records(path.read_bytes()).records == [0, 3]
+
+
+def test_a_torn_tail_is_cut_off_and_its_bytes_kept(tmp_path):
+    path = tmp_path / "journal"
+    with Journal(path) as journal:
+        journal.append("first")
+        journal.append("second")
+    whole = path.read_bytes()
+    path.write_bytes(whole[:-3])
+    with Journal(path) as journal:
+        assert journal.opened.records == ["first"]
+        assert journal.kept_aside == tmp_path / "journal.tail-1"
+        assert "torn" in journal.opened.problem and "journal.tail-1" in journal.opened.problem
+    cut = len(encode_record("first"))
+    assert path.read_bytes() == whole[:cut]
+    assert (tmp_path / "journal.tail-1").read_bytes() == whole[cut:-3]
+    assert not (tmp_path / "journal.damaged-1").exists()
+
+
+@settings(max_examples=80)
+@given(st.lists(values, min_size=1, max_size=8), st.data())
+def test_recovery_loses_only_the_record_a_flipped_bit_hit(records, data):
+    encoded, ends = _frames(records)
+    bit = data.draw(st.integers(0, len(encoded) * 8 - 1))
+    damaged = bytearray(encoded)
+    damaged[bit // 8] ^= 1 << (bit % 8)
+    hit = next(i for i, end in enumerate(ends) if bit // 8 < end)
+    recovery = recover_records(bytes(damaged))
+    assert recovery.records == records[:hit] + records[hit + 1 :]
+    start = ends[hit - 1] if hit else 0
+    assert [(s.index, s.offset, s.length) for s in recovery.skipped] == [
+        (hit, start, ends[hit] - start)
+    ]
+    kept = b"".join(bytes(damaged[a:b]) for a, b in recovery.frames)
+    assert decode_records(kept).records == recovery.records
+
+
+def test_recovery_of_whole_data_skips_nothing():
+    encoded, ends = _frames(["a", "b"])
+    recovery = recover_records(encoded)
+    assert recovery.records == ["a", "b"] and recovery.skipped == []
+    assert recovery.frames == [(0, ends[0]), (ends[0], ends[1])]
+
+
+def test_a_record_of_another_schema_is_skipped_by_its_own_length():
+    good = encode_record(PhaseReached(txn=1, phase=Phase.DONE, at=1.0))
+    other = encode_record({"type": "phase", "txn": "one"})
+    recovery = recover_records(good + other + good, ShiftRecord)
+    assert len(recovery.records) == 2
+    [skip] = recovery.skipped
+    assert (skip.index, skip.offset, skip.length) == (1, len(good), len(other))
+    assert "undecodable" in skip.problem

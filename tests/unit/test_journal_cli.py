@@ -10,6 +10,7 @@ import msgspec
 from pivot.actors.controller import open_journal
 from pivot.cli.main import main
 from pivot.cluster import Move, Role
+from pivot.journal import encode_record
 from pivot.planning.plans import ShiftPlan
 from pivot.shift import Phase, PhaseReached, ShiftPlanned, ShiftRecord
 
@@ -71,6 +72,23 @@ def test_a_torn_tail_is_reported_and_left_in_the_file(tmp_path, capsys):
     [problem] = out.err.splitlines()
     assert "record 3" in problem and "torn" in problem
     assert path.read_bytes() == torn
+
+
+def test_a_damaged_record_mid_file_is_named_and_the_records_after_it_printed(tmp_path, capsys):
+    _journal(tmp_path)
+    path = tmp_path / "shift.journal"
+    data = bytearray(path.read_bytes())
+    first = len(encode_record(RECORDS[0]))
+    data[first + 9] ^= 0xFF  # inside record 1's payload
+    path.write_bytes(bytes(data))
+    assert main(["journal", str(tmp_path), "--json"]) == 0
+    out = capsys.readouterr()
+    decoder = msgspec.json.Decoder(ShiftRecord)
+    assert [decoder.decode(line) for line in out.out.splitlines()] == [RECORDS[0], *RECORDS[2:]]
+    [problem] = out.err.splitlines()
+    assert f"record 1 at byte {first}" in problem and "CRC mismatch" in problem
+    assert f"skipped {len(encode_record(RECORDS[1]))} bytes" in problem
+    assert path.read_bytes() == bytes(data)
 
 
 def test_a_missing_journal_is_one_line(tmp_path, capsys):
