@@ -8,13 +8,23 @@ An engine holds a ``RoleContext`` and delegates ``release``/``resume`` to it, ca
 ``loaded``, and reads ``released_kinds``/``weights_ready`` into its stats. The hooks are what
 its backend does: free or allocate the KV cache and the parameters, count the sequences it
 holds, describe parameters not loaded yet.
+
+``checked_add`` is the argument checking of ``add`` every backend shares (the serving check
+first), so that all of them refuse the same calls with the same errors.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
-from pivot.engines.protocol import ContextKind, EngineNotServing, as_context_kinds
+from pivot.engines.protocol import (
+    ContextKind,
+    DuplicateSequence,
+    EngineNotServing,
+    SamplingParams,
+    SeqId,
+    as_context_kinds,
+)
 
 # releasing these drops what a held sequence needs (its KV cache, the parameters it decodes with)
 _NEEDS_IDLE = frozenset({ContextKind.TRANSIENT, ContextKind.WEIGHTS})
@@ -162,3 +172,79 @@ class RoleContext:
     def released_kinds(self) -> tuple[ContextKind, ...]:
         """The kinds released now, sorted (``EngineStats.released``)."""
         return tuple(sorted(self._released))
+
+
+def checked_add(
+    seq_id: SeqId,
+    prompt_ids: Sequence[int],
+    generated_ids: Sequence[int],
+    sampling: SamplingParams | None,
+    generated_logprobs: Sequence[float] | None,
+    *,
+    context: RoleContext,
+    holds: Callable[[SeqId], bool],
+    vocab_size: int | None = None,
+    max_seq_len: int | None = None,
+    kv_capacity_tokens: int | None = None,
+    tokens: bool = True,
+    logprobs: bool = True,
+) -> tuple[Sequence[int], Sequence[int], list[float], SamplingParams]:
+    """Check the arguments of ``InferenceEngine.add``; return (prompt, generated, logprobs,
+    sampling) as the engine keeps them, or raise what ``add`` raises.
+
+    ``context``: the engine's role context (``EngineNotServing`` unless it serves). ``holds``:
+    whether the engine holds a sequence (``DuplicateSequence``). The limits an engine has:
+    ``vocab_size`` (every token id below it), ``max_seq_len`` (prompt + generated),
+    ``kv_capacity_tokens`` (prompt + ``max_new_tokens``). ``tokens=False``: only the lengths of
+    the ids are read and they come back as given (an engine that keeps counts, whose ids may be
+    ``Placeholders``); otherwise they come back as lists of ints. ``logprobs=False``:
+    ``generated_logprobs`` is not read and comes back empty.
+    """
+    context.check_serving("add a sequence")
+    sampling = sampling or SamplingParams()
+    if holds(seq_id):
+        raise DuplicateSequence(f"sequence {seq_id!r} is already in this engine")
+    prompt: Sequence[int]
+    generated: Sequence[int]
+    if tokens:
+        prompt, generated = [int(t) for t in prompt_ids], [int(t) for t in generated_ids]
+    else:
+        prompt, generated = prompt_ids, generated_ids
+    if len(prompt) == 0:
+        raise ValueError(f"sequence {seq_id!r}: empty prompt")
+    if vocab_size is not None:
+        bad = [t for t in [*prompt, *generated] if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(
+                f"sequence {seq_id!r}: token ids {bad[:5]} outside the vocabulary "
+                f"(0..{vocab_size - 1})"
+            )
+    lps: list[float] = []
+    if logprobs:
+        if generated_logprobs is not None:
+            lps = [float(x) for x in generated_logprobs]
+        if len(lps) != len(generated):
+            raise ValueError(
+                f"sequence {seq_id!r}: {len(generated)} generated_ids need as many "
+                f"generated_logprobs, got {len(lps)}"
+            )
+    if max_seq_len is not None and len(prompt) + len(generated) > max_seq_len:
+        raise ValueError(
+            f"sequence {seq_id!r}: prompt + generated is {len(prompt) + len(generated)} tokens, "
+            f"more than this engine's max_seq_len {max_seq_len}"
+        )
+    if len(generated) >= sampling.max_new_tokens:
+        raise ValueError(
+            f"sequence {seq_id!r}: already has {len(generated)} generated tokens, "
+            f"max_new_tokens is {sampling.max_new_tokens}"
+        )
+    if (
+        kv_capacity_tokens is not None
+        and len(prompt) + sampling.max_new_tokens > kv_capacity_tokens
+    ):
+        raise ValueError(
+            f"sequence {seq_id!r}: prompt ({len(prompt)}) + max_new_tokens "
+            f"({sampling.max_new_tokens}) exceeds this engine's KV capacity of "
+            f"{kv_capacity_tokens} tokens"
+        )
+    return prompt, generated, lps, sampling

@@ -18,7 +18,7 @@ from typing import Any, TypeAlias
 
 import msgspec
 
-from pivot.engines.context import RoleContext
+from pivot.engines.context import RoleContext, checked_add
 from pivot.engines.protocol import (
     ContextKind,
     EngineStats,
@@ -30,7 +30,6 @@ from pivot.engines.protocol import (
     SeqId,
     StepOutput,
     TokenEvent,
-    checked_add,
 )
 from pivot.planning.cost import CostModel
 

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import msgspec
 
 from pivot.config import ConfigStruct, Fraction, NonNegativeFloat, PositiveFloat
-from pivot.engines.context import RoleContext
+from pivot.engines.context import RoleContext, checked_add
 from pivot.engines.protocol import (
     ContextKind,
     EngineError,
@@ -60,7 +60,6 @@ from pivot.engines.protocol import (
     SeqId,
     StepOutput,
     TokenEvent,
-    checked_add,
 )
 from pivot.planning.cost import ITL_FLOOR_S, CostModel
 

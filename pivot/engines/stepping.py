@@ -1,5 +1,5 @@
 """What pivot's torch-based engines share around their forward (``SteppedEngine``): the queue
-of waiting and running sequences, ``add`` (``pivot.engines.protocol.checked_add`` with the
+of waiting and running sequences, ``add`` (``pivot.engines.context.checked_add`` with the
 vocabulary and max_seq_len, then the stop-token check), ``abort`` with partial outputs, the
 step (admit, decode, prefill, sample, finish), the stats, and sampling by (seed, position)
 (``seed_at``, ``sample``), so that every such engine keeps the protocol's promises the same
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pivot.engines.context import RoleContext
+from pivot.engines.context import RoleContext, checked_add
 from pivot.engines.protocol import (
     ContextKind,
     EngineNotServing,
@@ -29,7 +29,6 @@ from pivot.engines.protocol import (
     SeqId,
     StepOutput,
     TokenEvent,
-    checked_add,
 )
 
 _MASK64 = (1 << 64) - 1

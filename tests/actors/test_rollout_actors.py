@@ -337,22 +337,32 @@ def test_staleness_must_not_be_negative():
         _run_job(job, replicas=1, staleness=-1)
 
 
-class TwiceDelivering(Actor):
-    """A rollout scheduler stand-in that answers every sequence with its worked response,
-    repeats two of them in the same delivery, and delivers them all again afterwards."""
+class EchoScheduler(Actor):
+    """A rollout scheduler stand-in with one replica, "echo", that answers a sequence with
+    its worked response; subclasses say which sequences it answers, and when."""
+
+    @staticmethod
+    def worked(work) -> Completion:  # noqa: ANN001 - a Work
+        return Completion(
+            seq_id=work.seq_id,
+            token_ids=CODEC.encode(worked_response(CODEC.decode(work.prompt_ids)), bos=False),
+            logprobs=[],
+            finish_reason=FinishReason.STOP,
+            replica="echo",
+        )
+
+    @handles
+    def status(self, msg: QueryStatus) -> SchedulerStatus:
+        return SchedulerStatus(role="rollout", replicas=["echo"], queued=0, running=0, completed=0)
+
+
+class TwiceDelivering(EchoScheduler):
+    """Answers every sequence, repeats two of them in the same delivery, and delivers them
+    all again afterwards."""
 
     @handles
     async def submit(self, msg: SubmitSequences) -> Accepted:
-        completions = [
-            Completion(
-                seq_id=w.seq_id,
-                token_ids=CODEC.encode(worked_response(CODEC.decode(w.prompt_ids)), bos=False),
-                logprobs=[],
-                finish_reason=FinishReason.STOP,
-                replica="echo",
-            )
-            for w in msg.sequences
-        ]
+        completions = [self.worked(w) for w in msg.sequences]
 
         async def deliver() -> None:
             twice = completions + completions[:2]
@@ -361,10 +371,6 @@ class TwiceDelivering(Actor):
 
         self.spawn(deliver())
         return Accepted(count=len(msg.sequences))
-
-    @handles
-    def status(self, msg: QueryStatus) -> SchedulerStatus:
-        return SchedulerStatus(role="rollout", replicas=["echo"], queued=0, running=0, completed=0)
 
 
 def test_a_repeated_delivery_counts_once_and_is_reported():
@@ -609,26 +615,15 @@ def test_a_step_whose_rewards_all_fail_reports_none_and_does_not_train():
     assert [r.policy_version for r in reports] == [0, 0]
 
 
-class Swallowing(Actor):
-    """A rollout scheduler stand-in that accepts every sequence and answers one, then no
-    more: a replica that died holding the rest."""
+class Swallowing(EchoScheduler):
+    """Accepts every sequence and answers only the first: a replica that died holding the
+    rest."""
 
     @handles
     async def submit(self, msg: SubmitSequences) -> Accepted:
-        first = msg.sequences[0]
-        completion = Completion(
-            seq_id=first.seq_id,
-            token_ids=CODEC.encode(worked_response(CODEC.decode(first.prompt_ids)), bos=False),
-            logprobs=[],
-            finish_reason=FinishReason.STOP,
-            replica="echo",
-        )
+        completion = self.worked(msg.sequences[0])
         self.spawn(self.request("driver", Completed(role="rollout", completions=[completion])))
         return Accepted(count=len(msg.sequences))
-
-    @handles
-    def status(self, msg: QueryStatus) -> SchedulerStatus:
-        return SchedulerStatus(role="rollout", replicas=["echo"], queued=0, running=0, completed=0)
 
 
 def test_a_step_that_stops_progressing_is_an_error_naming_the_stage():
