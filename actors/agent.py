@@ -53,7 +53,6 @@ of a shift costs (actions: evacuate, release, acquire, register); None: nothing 
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -81,6 +80,7 @@ from pivot.actors.shift_messages import (
 )
 from pivot.actors.vocabulary import LOAD_TOPIC, rl_messages
 from pivot.bus import Actor, Bus, BusError, Directory, handles
+from pivot.bus.codec import job_secret
 from pivot.cluster import INFERENCE_ROLES, Role
 from pivot.engines.protocol import ContextKind, InferenceEngine, NamedTensors
 
@@ -739,8 +739,7 @@ def torch_agent(
         seed=seed,
         clock=time.perf_counter,
     )
-    secret = os.environ.get("PIVOT_SECRET")
-    bus = Bus.nng(Directory.from_dict(directory), rl_messages(), secret=secret)
+    bus = Bus.nng(Directory.from_dict(directory), rl_messages(), secret=job_secret())
     return RoleAgent(
         name,
         bus,

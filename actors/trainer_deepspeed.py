@@ -57,6 +57,7 @@ from pivot.actors.trainer import Trainer, TrainerOffloaded, TrainResult
 from pivot.actors.trainer_messages import SimTrainBatch, TrainBatch
 from pivot.actors.vocabulary import rl_messages
 from pivot.bus import Actor, Bus, Directory, RestartPolicy, Supervisor
+from pivot.bus.codec import job_secret
 from pivot.config import convert
 from pivot.engines.hf_engine import causal_lm_class
 from pivot.grpo import (
@@ -734,8 +735,7 @@ def _trainer_rank(
 
         store = ParameterStore(store_name)
     group = RankGroup(engine, store=store)
-    secret = os.environ.get("PIVOT_SECRET")
-    bus = Bus.nng(Directory.from_dict(directory), rl_messages(), secret=secret)
+    bus = Bus.nng(Directory.from_dict(directory), rl_messages(), secret=job_secret())
     if rank == 0:
         return Trainer(name, bus, backend=DeepSpeedBackend(group), controller=controller)
     return TrainerFollower(name, bus, group=group)

@@ -22,6 +22,7 @@ HMAC-SHA256 of everything before it.
 from __future__ import annotations
 
 import hmac
+import os
 from collections.abc import Iterable, Sequence
 from enum import IntEnum
 from typing import Any, Union
@@ -95,6 +96,16 @@ def _tag_of(cls: type) -> Any:
             "(or subclass pivot.bus.Message) so it can be part of the tagged union"
         )
     return tag
+
+
+#: The environment variable that holds a job's shared secret: every process of the job (the
+#: parent and each child, which inherit it) signs and checks its frames with it.
+SECRET_ENV = "PIVOT_SECRET"
+
+
+def job_secret() -> str | None:
+    """The job's shared secret from the environment (None: frames are not signed)."""
+    return os.environ.get(SECRET_ENV) or None
 
 
 def seal(payload: bytes, secret: bytes | None) -> bytes:

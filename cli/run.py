@@ -45,6 +45,7 @@ from pivot.actors.sources import FunctionReward, GenRMJudge, PromptSource
 from pivot.actors.vocabulary import rl_messages
 from pivot.assets import ASSETS
 from pivot.bus import Bus, Directory, RestartPolicy, Supervisor, configure_logging, run_real
+from pivot.bus.codec import job_secret
 from pivot.bus.sockets import make_socket_dir, remove_orphaned_socket_dirs
 from pivot.bus.supervisor import SupervisorEscalation
 from pivot.cli.inputs import EVAL_IDS, Inputs, read_inputs
@@ -146,7 +147,8 @@ class Job:
         remove_orphaned_socket_dirs()
         self.sockets = make_socket_dir()
         directory = Directory.ipc(self.sockets, self._names())
-        self.bus = Bus.nng(directory, rl_messages())
+        # the children sign with the job's secret when one is set: this process must too
+        self.bus = Bus.nng(directory, rl_messages(), secret=job_secret())
         checkpoints = {Role.ROLLOUT: self.policy}
         if self.genrm is not None:
             checkpoints[Role.REWARD] = self.genrm

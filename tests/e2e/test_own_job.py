@@ -7,6 +7,7 @@ fewer steps."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -34,7 +35,7 @@ def examples(tmp_path_factory) -> Path:
 
 
 def _run(
-    examples: Path, config: str, name: str, **changes: str
+    examples: Path, config: str, name: str, env: dict | None = None, **changes: str
 ) -> tuple[Path, list[dict], list[dict]]:
     text = (examples / config).read_text()
     for old, new in changes.items():
@@ -48,6 +49,7 @@ def _run(
         capture_output=True,
         text=True,
         timeout=400,
+        env={**os.environ, **(env or {})},
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     reports = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -68,10 +70,12 @@ def test_a_users_policy_data_and_reward_function(examples):
     from pivot.engines.tokenizer import TextCodec
     from pivot.rewards import RewardInput
 
+    # with the job's shared secret set, every frame of the job is signed (parent and children)
     _, reports, rows = _run(
         examples,
         "function.toml",
         "function",
+        env={"PIVOT_SECRET": "a secret the user set"},
         **{"steps = 6": "steps = 3", "eval_every = 3": "eval_every = 2"},
     )
     policy = TextCodec.from_dir(examples / "models" / "policy")
