@@ -71,5 +71,7 @@ def configure_logging(
 
 
 def get_logger(**bound: Any) -> Any:
-    """A structlog logger for bus code, with ``bound`` fields on every line."""
-    return structlog.get_logger("pivot.bus").bind(**bound)
+    """A structlog logger for bus code, with ``bound`` fields on every line. Lazy: a module
+    may take one at import, before ``configure_logging`` runs, and its lines still follow the
+    configuration (binding at import would fix structlog's defaults: text on stdout)."""
+    return structlog.get_logger("pivot.bus", **bound)

@@ -405,3 +405,26 @@ async def test_bad_publication_frames_are_dropped_counted_and_survived(make_bus:
         assert client.stats.decode_errors == 1
         assert client.stats.dropped_frames == 1
         assert client.stats.lost_frames == 2
+
+
+def test_a_module_logger_taken_at_import_follows_the_later_configuration():
+    """bus/nng.py takes its logger at import, before `pivot run` configures logging: its lines
+    must still be JSON on the configured stream (a fresh interpreter: import order matters)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import io, json\n"
+        "from pivot.bus import nng\n"
+        "from pivot.bus.logs import configure_logging\n"
+        "stream = io.StringIO()\n"
+        "configure_logging('info', stream=stream)\n"
+        "nng.log.warning('probe')\n"
+        "print(stream.getvalue().strip())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    import json
+
+    record = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (record["transport"], record["event"], record["level"]) == ("nng", "probe", "warning")
