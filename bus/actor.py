@@ -508,7 +508,14 @@ class Actor:
         except FrameError as exc:
             stats.decode_errors += 1
             stats.error_replies += 1
-            self.log.warning("undecodable request", error=exc.text, sender=exc.sender, cid=exc.cid)
+            if _worth_logging(stats.decode_errors):
+                self.log.warning(
+                    "undecodable request",
+                    error=exc.text,
+                    sender=exc.sender,
+                    cid=exc.cid,
+                    count=stats.decode_errors,
+                )
             return codec.encode_error(self.name, exc.cid, "bad_message", "FrameError", exc.text)
         message = envelope.body
         handler = self._handlers.get(type(message))

@@ -227,7 +227,7 @@ class Codec:
         payload = unseal(frame, self.secret)
         try:
             return self._request.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except _UNDECODABLE as exc:
             raise _frame_error(payload, exc) from None
 
     def decode_reply(self, frame: bytes) -> Any:
@@ -235,7 +235,7 @@ class Codec:
         payload = unseal(frame, self.secret)
         try:
             return self._reply.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except _UNDECODABLE as exc:
             raise _frame_error(payload, exc) from None
 
     def decode_publish(self, frame: bytes) -> tuple[str, Any]:
@@ -248,7 +248,7 @@ class Codec:
         try:
             topic = bytes(view[:end]).decode()
             return topic, self._publish.decode(view[end + 1 :])
-        except (UnicodeDecodeError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except (UnicodeDecodeError, *_UNDECODABLE) as exc:
             raise _frame_error(view[end + 1 :], exc) from None
 
 
@@ -263,12 +263,17 @@ def topic_prefix(topic: str) -> bytes:
     return raw + b"\0"
 
 
+# a frame nested deeper than the decoder's recursion limit raises RecursionError: as
+# undecodable as any other bad frame, and the sender still gets its error reply
+_UNDECODABLE = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
+
+
 def _frame_error(payload: bytes | memoryview, exc: Exception) -> FrameError:
     # Best effort: read the header so the error reply can carry sender and cid.
     sender, cid = "", 0
     try:
         raw = msgspec.msgpack.decode(payload)
-    except (msgspec.DecodeError, ValueError):
+    except (msgspec.DecodeError, ValueError, RecursionError):
         raw = None
     if isinstance(raw, list) and len(raw) >= 3:
         if isinstance(raw[1], str):

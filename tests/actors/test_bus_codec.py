@@ -102,7 +102,8 @@ def test_codec_rejects_types_that_cannot_join_the_union() -> None:
 
 def test_garbage_is_a_frame_error() -> None:
     codec = Codec([Item])
-    for garbage in (b"", b"\xc1", b"\x93\x00\x01", msgspec.msgpack.encode({"a": 1})):
+    nested = b"\x91" * 100_000 + b"\xc0"  # deeper than the decoder's recursion limit
+    for garbage in (b"", b"\xc1", b"\x93\x00\x01", msgspec.msgpack.encode({"a": 1}), nested):
         with pytest.raises(FrameError):
             codec.decode_request(garbage)
 

@@ -182,6 +182,10 @@ async def test_garbage_frame_gets_an_error_reply(make_bus: MakeBus) -> None:
         assert type(envelope) is bus.codec.ErrorEnvelope
         assert envelope.body.code == "bad_message"
         assert server.stats.decode_errors == 1
+        # a frame nested past the decoder's recursion limit gets its error reply too
+        raw = await bus.transport.request("server", b"\x91" * 100_000 + b"\xc0", 5.0)
+        assert bus.codec.decode_reply(raw).body.code == "bad_message"
+        assert server.stats.decode_errors == 2
         assert (await client.request("server", Echo(text="ok"), timeout=5)).text == "ok"
 
 
