@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,6 +36,11 @@ from pivot.bus.transport import (
 )
 
 PUBSUB_BUFFER = 8192  # frames; nng rejects anything larger
+#: The largest frame an actor receives (``PIVOT_BUS_MAX_FRAME`` bytes sets it for a job: the
+#: children inherit it). A larger one is refused by nng before it allocates for it, so a
+#: header announcing gigabytes costs nothing; a job's largest frames, its training batches,
+#: stay far below this (weights travel through the GPS store, not the bus).
+MAX_FRAME = int(os.environ.get("PIVOT_BUS_MAX_FRAME", 256 << 20))
 _RECONNECT_MIN_MS = 10
 _RECONNECT_MAX_MS = 1000
 _PIPE_WAIT_S = 0.2  # how long a request waits for a (re)connected pipe before Unreachable
@@ -58,8 +64,11 @@ class NngTransport:
     off, pynng's public ``asend``/``arecv`` are used.
     """
 
-    def __init__(self, directory: Directory, *, fast_aio: bool = True) -> None:
+    def __init__(
+        self, directory: Directory, *, fast_aio: bool = True, max_frame: int = MAX_FRAME
+    ) -> None:
         self.directory = directory
+        self.max_frame = max_frame
         self._fast = fast_aio and _nngaio.AVAILABLE
         self._peers: dict[str, _Peer] = {}
         self._connecting: dict[str, asyncio.Future[_Peer]] = {}
@@ -90,7 +99,7 @@ class NngTransport:
         self._check_loop()
         endpoint = self._endpoint(name)
         check_bind_address(endpoint.rep, secured=secured)
-        sock = pynng.Rep0()
+        sock = pynng.Rep0(recv_max_size=self.max_frame)
         try:
             listener = sock.listen(endpoint.rep)
         except pynng.NNGException as exc:
@@ -164,7 +173,9 @@ class NngTransport:
     async def _dial(self, to: str, timeout: float) -> _Peer:
         address = self.directory.lookup(to).rep
         sock = pynng.Req0(
-            reconnect_time_min=_RECONNECT_MIN_MS, reconnect_time_max=_RECONNECT_MAX_MS
+            reconnect_time_min=_RECONNECT_MIN_MS,
+            reconnect_time_max=_RECONNECT_MAX_MS,
+            recv_max_size=self.max_frame,
         )
         try:
             # a blocking dial answers "refused" at once for ipc/loopback; in a thread so
@@ -203,7 +214,7 @@ class NngTransport:
 
     def open_subscriber(self, name: str, sink: FrameSink) -> _NngSubscriber:
         self._check_loop()
-        subscriber = _NngSubscriber(self.directory, sink, self._fast)
+        subscriber = _NngSubscriber(self.directory, sink, self._fast, self.max_frame)
         self._track(subscriber)
         return subscriber
 
@@ -367,11 +378,12 @@ class _NngPublisher:
 
 
 class _NngSubscriber:
-    def __init__(self, directory: Directory, sink: FrameSink, fast: bool) -> None:
+    def __init__(self, directory: Directory, sink: FrameSink, fast: bool, max_frame: int) -> None:
         self._directory = directory
         self._sink = sink
         self._sock = pynng.Sub0(
             recv_buffer_size=PUBSUB_BUFFER,
+            recv_max_size=max_frame,
             reconnect_time_min=_RECONNECT_MIN_MS,
             reconnect_time_max=_RECONNECT_MAX_MS,
         )

@@ -432,3 +432,22 @@ def test_a_module_logger_taken_at_import_follows_the_later_configuration():
 
     record = json.loads(out.stdout.strip().splitlines()[-1])
     assert (record["transport"], record["event"], record["level"]) == ("nng", "probe", "warning")
+
+
+async def test_a_frame_over_the_maximum_is_refused_and_the_actor_serves_on(tmp_path) -> None:
+    """A request larger than the receiver's maximum never reaches it (nng refuses it before
+    allocating); the actor keeps serving everyone else."""
+    directory = Directory.ipc(tmp_path, NAMES)
+    server_bus = Bus(NngTransport(directory, max_frame=64 << 10), Codec(MESSAGES))
+    client_bus = Bus(NngTransport(directory), Codec(MESSAGES))
+    server, client = Server("server", server_bus), Client("client", client_bus)
+    try:
+        async with started(server, client):
+            with pytest.raises(RequestTimeout):
+                await client.request("server", Echo(text="x" * (1 << 20)), timeout=1.0)
+            assert server.seen == []
+            reply = await client.request("server", Echo(text="small"), timeout=5, expect=Echoed)
+            assert reply.text == "small" and server.seen == ["small"]
+    finally:
+        await server_bus.close()
+        await client_bus.close()
