@@ -142,6 +142,7 @@ class Job:
         self.tracker = tracker or NoTracker()
         self.deployment = job.plan()
         self.assembly: Assembly | None = None
+        self.monitor: Monitor | None = None  # once the job's actors are made
         # ipc paths must stay under ~100 bytes: sockets live in a short temporary folder; those
         # of runs killed before they could remove theirs go now
         remove_orphaned_socket_dirs()
@@ -237,7 +238,7 @@ class Job:
         source, evaluation = self._sources(
             (lambda row: dump.write(msgspec.json.encode(row) + b"\n")) if dump else None
         )
-        monitor = Monitor(
+        monitor = self.monitor = Monitor(
             MONITOR,
             self.bus,
             agents=[agent_name(device) for device in d.agent_devices],
@@ -366,6 +367,30 @@ class Job:
                 id_base=EVAL_IDS,
             )
         return source, evaluation
+
+
+def write_plot(runner: Job | None, run_dir: Path, kind: str) -> Path | None:
+    """``throughput.png`` of what the job ran so far: its roles' throughput, its shifts and
+    when it trained (None: it never got as far as its Monitor)."""
+    if runner is None or runner.monitor is None or runner.assembly is None:
+        return None
+    monitor = runner.monitor
+    trains = [
+        TrainSpan(
+            start=r.started_s + r.seconds - r.train_s - monitor.origin,
+            end=r.started_s + r.seconds - monitor.origin,
+            version=r.policy_version + 1,
+        )
+        for r in runner.assembly.driver.reports
+        if r.train is not None
+    ]
+    return plot_run(
+        monitor.samples,
+        monitor.shifts,
+        trains,
+        run_dir / "throughput.png",
+        title=f"pivot run ({kind}): {run_dir.name}",
+    )
 
 
 def scores_text(scores: Scores) -> str:
@@ -548,11 +573,15 @@ def main(args: argparse.Namespace) -> int:
     tracker = open_tracker(run_dir, job.log.tensorboard, allocation=allocation, fixed=view.fixed)
     if resume is not None:
         view.done = resume.state.next_step
+    runner: Job | None = None
     try:
         runner = Job(job, policy, genrm, inputs, run_dir, console, view, tracker, resume)
         with logs_to(run_dir / "actors.log"), Live(view, console=console, refresh_per_second=4):
             reports, monitor = run_real(runner.run())
     except KeyboardInterrupt as exc:
+        # the plot of what ran, as a finished run gets; it must not hide the interrupt
+        with contextlib.suppress(Exception):
+            write_plot(runner, run_dir, d.kind)
         with contextlib.suppress(OSError):  # SIGHUP: the terminal may be gone
             console.print(
                 f"\ninterrupted by {signal_of(exc).name} after {view.done} steps; every child "
@@ -561,6 +590,8 @@ def main(args: argparse.Namespace) -> int:
         raise
     except SupervisorEscalation as exc:
         # a child died and may not come back: say which and why in one line, and how to go on
+        with contextlib.suppress(Exception):
+            write_plot(runner, run_dir, d.kind)
         latest = checkpoints_of(run_dir).latest()
         after = (
             f"; continue with pivot run --resume {run_dir} (from {latest.folder.name})"
@@ -578,22 +609,7 @@ def main(args: argparse.Namespace) -> int:
         tracker.close()
     console.print()
     wall = time.perf_counter() - started
-    trains = [
-        TrainSpan(
-            start=r.started_s + r.seconds - r.train_s - monitor.origin,
-            end=r.started_s + r.seconds - monitor.origin,
-            version=r.policy_version + 1,
-        )
-        for r in reports
-        if r.train is not None
-    ]
-    plot = plot_run(
-        monitor.samples,
-        monitor.shifts,
-        trains,
-        run_dir / "throughput.png",
-        title=f"pivot run ({d.kind}): {run_dir.name}",
-    )
+    plot = write_plot(runner, run_dir, d.kind)
     kinds = {}
     for mark in monitor.shifts:
         kinds[mark.kind] = kinds.get(mark.kind, 0) + 1

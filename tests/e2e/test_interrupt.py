@@ -86,4 +86,6 @@ def test_a_signal_mid_run_stops_every_child_and_keeps_the_steps_done(tmp_path, s
     assert [pid for pid in children if _alive(pid)] == []
     steps = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert len(steps) >= 2
+    # the plot of what ran, as a finished run leaves
+    assert (run_dir / "throughput.png").read_bytes()[:4] == b"\x89PNG"
     assert _socket_folders(process.pid) == []

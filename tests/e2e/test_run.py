@@ -384,6 +384,7 @@ def test_a_crash_while_a_checkpoint_is_written_leaves_the_one_before(fixed_run, 
     [said] = [line for line in crashed.stdout.splitlines() if "the job stopped" in line]
     assert "child 'trainer' failed (exit code 70) and is not restarted" in said
     assert f"pivot run --resume {run_dir} (from step-000001)" in said
+    assert (run_dir / "throughput.png").read_bytes()[:4] == b"\x89PNG"  # what ran, plotted
     root = run_dir / "checkpoints"
     assert (root / ".partial-step-000003" / "policy" / "model.safetensors").is_file()  # torn
     done = Checkpoints(root, every=2, keep=2, last_step=5).complete()
