@@ -56,9 +56,11 @@ class Checkpoint(msgspec.Struct, frozen=True):
 class Checkpoints:
     """The checkpoints folder of a run. ``every``: a checkpoint after every ``every``-th step
     (0: none but the last); the last step always gets one. ``keep``: complete ones kept, the
-    newest (0: all)."""
+    newest (0: all). Reading what a run left needs none of them: ``Checkpoints(root)``."""
 
-    def __init__(self, root: Path, *, every: int, keep: int, last_step: int) -> None:
+    def __init__(
+        self, root: Path, *, every: int = 0, keep: int = 0, last_step: int | None = None
+    ) -> None:
         self.root = Path(root)
         self.every = every
         self.keep = keep

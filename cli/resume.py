@@ -47,8 +47,9 @@ class ResumeRecord(msgspec.Struct, frozen=True, kw_only=True, tag="resume", tag_
     overrides: list[str] = []  # given to this resume
 
 
-def checkpoints_of(run_dir: Path, *, every: int = 0, keep: int = 0, last_step: int = 0):
-    return Checkpoints(run_dir / CHECKPOINTS, every=every, keep=keep, last_step=last_step)
+def checkpoints_of(run_dir: Path, **policy: int) -> Checkpoints:
+    """A run's checkpoints folder (``policy``: ``Checkpoints``'s every, keep, last_step)."""
+    return Checkpoints(run_dir / CHECKPOINTS, **policy)
 
 
 def resume_point(run_dir: Path) -> Checkpoint:

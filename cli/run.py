@@ -70,7 +70,7 @@ from pivot.cli.runconfig import (
 from pivot.cli.tracking import NoTracker, Tracker, open_tracker
 from pivot.cluster import Role, RoleSpec
 from pivot.config import ConfigError, blame_overrides, load_toml
-from pivot.engines.checkpoint import inspect_checkpoint
+from pivot.engines.checkpoint import DecoderSpec, FallbackSpec, inspect_checkpoint
 from pivot.engines.protocol import SamplingParams
 from pivot.engines.tokenizer import TextCodec
 from pivot.job import JobConfig
@@ -433,13 +433,15 @@ def prepare(
         if job.reward.kind == "genrm"
         else None
     )
-    for folder, key, tokens in (
-        (policy, "rollout.max_new_tokens", job.rollout.max_new_tokens),
-        (genrm, "reward.max_new_tokens", job.reward.max_new_tokens),
+    codecs = {}  # each role's tokenizer, read once by its model's check
+    for role, folder, key, tokens in (
+        (Role.ROLLOUT, policy, "rollout.max_new_tokens", job.rollout.max_new_tokens),
+        (Role.REWARD, genrm, "reward.max_new_tokens", job.reward.max_new_tokens),
     ):
         if folder is None:
             continue
-        positions = getattr(check_model(folder), "max_position_embeddings", None)
+        spec, codecs[role] = check_model(folder)
+        positions = getattr(spec, "max_position_embeddings", None)
         if positions is not None and tokens >= positions:
             raise ConfigError(
                 config,
@@ -457,7 +459,7 @@ def prepare(
             f"int {job.cluster.devices}",
         )
     inputs = read_inputs(job, config)
-    if job.reward.system_prompt and not TextCodec.from_dir(genrm).has_chat_template:
+    if job.reward.system_prompt and not codecs[Role.REWARD].has_chat_template:
         raise ConfigError(
             config,
             "reward.system_prompt",
@@ -467,11 +469,11 @@ def prepare(
     return job, policy, genrm, inputs
 
 
-def check_model(folder: Path):  # noqa: ANN201 - DecoderSpec | FallbackSpec
+def check_model(folder: Path) -> tuple[DecoderSpec | FallbackSpec, TextCodec]:
     """What the agents and the trainer will load, read here first: a folder pivot cannot
     serve is one line naming the file and the key, before any child process starts. The
     tokenizer is the model's own (``AutoTokenizer``): it needs an eos token, and ids that the
-    model's embedding holds. Returns the folder's spec."""
+    model's embedding holds. Returns the folder's spec and its tokenizer."""
     spec, _ = inspect_checkpoint(folder)
     codec = TextCodec.from_dir(folder)  # a TokenizerError (a ConfigError) names the file
     if spec.vocab_size is not None and codec.vocab_size > spec.vocab_size:
@@ -481,7 +483,7 @@ def check_model(folder: Path):  # noqa: ANN201 - DecoderSpec | FallbackSpec
             f"at most {spec.vocab_size} tokens (config.json vocab_size)",
             f"{codec.vocab_size}",
         )
-    return spec
+    return spec, codec
 
 
 @contextlib.contextmanager

@@ -387,7 +387,7 @@ def test_a_crash_while_a_checkpoint_is_written_leaves_the_one_before(fixed_run, 
     assert (run_dir / "throughput.png").read_bytes()[:4] == b"\x89PNG"  # what ran, plotted
     root = run_dir / "checkpoints"
     assert (root / ".partial-step-000003" / "policy" / "model.safetensors").is_file()  # torn
-    done = Checkpoints(root, every=2, keep=2, last_step=5).complete()
+    done = Checkpoints(root).complete()
     assert [c.state.step for c in done] == [1]
     steps, resume = _resume(None, run_dir)
     assert resume["next_step"] == 2
