@@ -232,6 +232,7 @@ class RoleAgent(Actor):
                 agent=self.name,
                 role=self.role.value,
                 max_running=self.engine.stats().max_running,
+                held=sorted(self._held),
             ),
             timeout=self.report_timeout,
         )

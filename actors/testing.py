@@ -185,7 +185,7 @@ class InvariantChecker:
             check_ownership(scheduler.core.ledger, scheduler.core)
             seen: dict[int, str] = {}
             for agent in agents.values():
-                if agent.role is not role:
+                if agent.role is not role or not agent.running:
                     continue
                 for seq_id in agent.held_sequences:
                     other = seen.setdefault(seq_id, agent.name)
@@ -234,6 +234,8 @@ class InvariantChecker:
     @staticmethod
     def _check_devices(agents: Mapping[int, Any], expected: Mapping[int, Placement]) -> None:
         for d, agent in agents.items():
+            if not agent.running:
+                continue  # crashed, not restarted yet: the Controller took its replica out
             want = expected.get(d, Placement(Role.FREE, "", ()))
             have = (agent.role, agent.replica or "", tuple(agent.devices))
             if have != (want.role, want.replica, tuple(want.devices)):
@@ -253,11 +255,13 @@ class _CheckedPolicy:
         check: Callable[[], None],
         allocation: Callable[[], Allocation | None],
         every_tick: bool,
+        settled: Callable[[], bool],
     ) -> None:
         self.inner = inner
         self.check = check
         self.allocation = allocation
         self.every_tick = every_tick
+        self.settled = settled
         self._checked: Allocation | None = None
 
     def record_shift_time(self, seconds: float) -> None:
@@ -268,7 +272,7 @@ class _CheckedPolicy:
 
     def decide(self, snapshot: ClusterSnapshot) -> Decision:
         current = self.allocation()
-        if not snapshot.shift_in_flight and (self.every_tick or current is not self._checked):
+        if self.settled() and (self.every_tick or current is not self._checked):
             self.check()
             self._checked = current
         return self.inner.decide(snapshot)
@@ -307,8 +311,15 @@ class LocalCluster:
             clock=clock,
         )
         self.transport.decode = self.bus.codec.decode_request
-        # an actor that crashes stops the run (the Controller may restart, per its policy)
-        self.supervisor = Supervisor(clock=clock, policy=RestartPolicy(restart="never"))
+        # agents restart (the supervisor's policy: ``restart_after_s`` after a crash); any
+        # other actor that crashes stops the run (the Controller may restart, per its policy)
+        restart_s = faults.restart_after_s if faults is not None else 5.0
+        self.supervisor = Supervisor(
+            clock=clock,
+            policy=RestartPolicy(
+                max_restarts=1_000, backoff=restart_s, backoff_factor=1.0, backoff_max=restart_s
+            ),
+        )
         self.journals: list[Journal] = []
         driver = driver or DriverOptions()
         user_step = driver.on_step
@@ -316,8 +327,7 @@ class LocalCluster:
         def on_step(report: StepReport) -> None:
             if user_step is not None:
                 user_step(report)
-            controller = self.assembly.controller
-            if controller is None or controller.shift is None:
+            if self.settled:
                 self.check()
 
         if control is not None:
@@ -348,6 +358,12 @@ class LocalCluster:
     def check(self) -> None:
         self.checker.check()
 
+    @property
+    def settled(self) -> bool:
+        """No shift in flight and no dead agent being taken out: when the invariants hold."""
+        controller = self.assembly.controller
+        return controller is None or controller.settled
+
     def _checked_control(
         self, control: Control, faults: FaultPlan | None, *, every_tick: bool
     ) -> Control:
@@ -364,7 +380,9 @@ class LocalCluster:
 
         def wrap(policy: ShiftPolicy) -> ShiftPolicy:
             inner = control.wrap_policy(policy) if control.wrap_policy is not None else policy
-            return _CheckedPolicy(inner, self.check, self._allocation, every_tick)
+            return _CheckedPolicy(
+                inner, self.check, self._allocation, every_tick, lambda: self.settled
+            )
 
         restart = control.restart
         crashes = faults is not None and (
@@ -416,8 +434,7 @@ class LocalCluster:
                 failed.result()  # raises the escalation: an actor crashed
                 raise InvariantViolation("every actor stopped before the Driver's last step")
             failed.cancel()
-            controller = self.assembly.controller
-            if controller is None or controller.shift is None:
+            if self.settled:
                 self.check()
             if at_end is not None:
                 at_end()

@@ -133,11 +133,14 @@ class _ProcessChild(_Child):
         env: Mapping[str, str] | None,
         ready_timeout: float,
         stop_timeout: float,
+        restart_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         self.name = name
         self.policy = policy
         self._target = target
         self._kwargs = json.dumps(dict(kwargs))
+        # what every start after the first is called with
+        self._restart_kwargs = json.dumps({**kwargs, **(restart_kwargs or {})})
         self._env = env
         self._ready_timeout = ready_timeout
         self._stop_timeout = stop_timeout
@@ -154,7 +157,7 @@ class _ProcessChild(_Child):
             sys.executable, "-m", "pivot.bus.child",
             "--name", self.name,
             "--target", self._target,
-            "--kwargs", self._kwargs,
+            "--kwargs", self._kwargs if self.process is None else self._restart_kwargs,
             "--parent-pid", str(os.getpid()),
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
@@ -235,6 +238,7 @@ class Supervisor:
         self.policy = policy if policy is not None else RestartPolicy()
         self.name = name
         self.events: deque[SupervisorEvent] = deque(maxlen=10_000)
+        self._listeners: list[Callable[[SupervisorEvent], None]] = []
         self.log = get_logger(actor=name)
         self._children: dict[str, _Child] = {}
         self._watchers: dict[str, asyncio.Task[None]] = {}
@@ -267,16 +271,25 @@ class Supervisor:
         env: Mapping[str, str] | None = None,
         ready_timeout: float = 30.0,
         stop_timeout: float = 5.0,
+        restart_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         """An actor run in a child process: ``target`` is ``"module:function"``, called
         there as ``function(name, **kwargs)`` (kwargs must be JSON) and returning the
-        actor (or an awaitable of it). Pass secrets through ``env``, not ``kwargs``:
-        the command line is visible to every local user."""
+        actor (or an awaitable of it); a restart calls it with ``restart_kwargs`` over
+        ``kwargs`` (a restarted agent starts free). Pass secrets through ``env``, not
+        ``kwargs``: the command line is visible to every local user."""
         if ":" not in target:
             raise ValueError(f"target must look like 'package.module:function', got {target!r}")
         self._add(
             _ProcessChild(
-                name, target, kwargs or {}, policy or self.policy, env, ready_timeout, stop_timeout
+                name,
+                target,
+                kwargs or {},
+                policy or self.policy,
+                env,
+                ready_timeout,
+                stop_timeout,
+                restart_kwargs,
             )
         )
 
@@ -479,7 +492,18 @@ class Supervisor:
         self.log.error("escalating: too many restarts", child=child.name, failure=failure)
         self._stop_task = asyncio.get_running_loop().create_task(self.stop())
 
+    def listen(self, listener: Callable[[SupervisorEvent], None]) -> None:
+        """Call ``listener`` with every event from now on (on the supervisor's loop; it must
+        not block). How the job hears that a child died or came back."""
+        self._listeners.append(listener)
+
     def _event(self, child: str, event: str, detail: str = "") -> None:
-        self.events.append(SupervisorEvent(self.clock.now(), child, event, detail))
+        happened = SupervisorEvent(self.clock.now(), child, event, detail)
+        self.events.append(happened)
+        for listener in self._listeners:
+            try:
+                listener(happened)
+            except Exception as exc:  # a listener's bug must not stop the supervision
+                self.log.error("supervisor listener failed", child=child, error=repr(exc))
         if event in ("started", "stopped"):
             self.log.info(f"child {event}", child=child)
