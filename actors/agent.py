@@ -740,6 +740,8 @@ def torch_agent(
         seed=seed,
         clock=time.perf_counter,
     )
+    from pivot.actors.faults import agent_stepping
+
     bus = Bus.nng(Directory.from_dict(directory), rl_messages(), secret=job_secret())
     return RoleAgent(
         name,
@@ -751,4 +753,5 @@ def torch_agent(
         weights=weights,
         device=device,
         devices=devices,
+        stepping=agent_stepping(name),  # the test kit's fault, if one is planned for it
     )

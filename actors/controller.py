@@ -62,6 +62,8 @@ from pivot.actors.shift_messages import (
     AllocationReport,
     CutRouting,
     Describe,
+    Evacuate,
+    Evacuated,
     MigrateSequences,
     QueryAllocation,
     QueryLoad,
@@ -182,6 +184,7 @@ class Controller(Actor):
         self._rejoined = False
         self._repairing = asyncio.Lock()
         self._retiring: set[str] = set()  # replicas taken out, freed once no shift is in flight
+        self._unconfirmed: set[int] = set()  # lost devices whose process was not seen to die
 
     # --- requests served ------------------------------------------------------------------
 
@@ -211,6 +214,7 @@ class Controller(Actor):
         if msg.dead:
             # its sequences go back to the queue now, not after the shift in flight
             self._lost[device] = msg.cause
+            self._unconfirmed.discard(device)
             self.spawn(self._take_out(device), name=f"take-out:{msg.agent}")
         else:
             self._suspects.setdefault(device, msg.cause)
@@ -222,6 +226,7 @@ class Controller(Actor):
         device = self._device(msg.agent)
         self.log.info("agent joined", agent=msg.agent)
         self._lost.pop(device, None)
+        self._unconfirmed.discard(device)
         self._rejoined = True
         self._kick.set()
         return Ack()
@@ -550,22 +555,23 @@ class Controller(Actor):
         """At a tick with no shift in flight: ask the agents requests to failed whether they
         are there (one that is not is taken out like a dead one), and once an agent came
         back, reconcile the whole allocation, so the planner sees the restarted agent free."""
-        if self.shift is not None or not (self._suspects or self._rejoined):
+        if self.shift is not None or not (self._suspects or self._rejoined or self._unconfirmed):
             return
-        async with self._repairing:
-            suspects, self._suspects = self._suspects, {}
-            timeout = self.settings.command_timeout_s
-            for device, cause in sorted(suspects.items()):
-                if device in self._lost:
-                    continue
-                state = await self._ask(self.agents[device], Describe(), AgentState, timeout)
-                if state is None:
-                    self.log.warning("agent unreachable", device=device, cause=cause)
-                    self._lost[device] = cause
-                self._rejoined = True  # reachable or not: read what everyone holds now
-        for device in sorted(self._lost):
-            if device in suspects:
+        suspects, self._suspects = self._suspects, {}
+        timeout = self.settings.command_timeout_s
+        # (no lock held meanwhile: the supervisor's word that one is dead must not wait)
+        for device, cause in sorted(suspects.items()):
+            if device in self._lost:
+                continue  # dead for sure: taken out already
+            state = await self._ask(self.agents[device], Describe(), AgentState, timeout)
+            self._rejoined = True  # reachable or not: read what everyone holds now
+            if state is None and device not in self._lost:
+                self.log.warning("agent unreachable", device=device, cause=cause)
+                self._lost[device] = cause
+                self._unconfirmed.add(device)
                 await self._take_out(device)
+        for device in sorted(self._unconfirmed):
+            await self._back_from_silence(device)
         if not self._rejoined or self._lost:
             return  # an agent still down would only time out its Describe
         async with self._repairing:
@@ -577,6 +583,27 @@ class Controller(Actor):
                     SHIFT_TOPIC,
                     AllocationChanged(replicas=self._replica_moves(), at=self.clock.now()),
                 )
+
+    async def _back_from_silence(self, device: int) -> None:
+        """An agent taken out because it did not answer (its process did not die) may answer
+        again: what it still runs was requeued and runs elsewhere, so it drops that (Evacuate,
+        its output discarded) and its replica, and is free again."""
+        agent = self.agents[device]
+        state = await self._ask(
+            agent, Describe(), AgentState, min(1.0, self.settings.command_timeout_s)
+        )
+        if state is None:
+            return
+        self.log.info("silent agent answers again", agent=agent)
+        if state.replica is not None and state.role in INFERENCE_ROLES:
+            await self._ask(
+                agent, Evacuate(replica=state.replica), Evacuated, self.settings.command_timeout_s
+            )
+        if state.replica is not None and state.role is not Role.TRAINING:
+            await self._run_stage([ReleaseDevice(device, state.replica)], must=False)
+        self._unconfirmed.discard(device)
+        self._lost.pop(device, None)
+        self._rejoined = True
 
     # --- recovery ---------------------------------------------------------------------------
 

@@ -141,6 +141,8 @@ class Scheduler(Actor):
         # Ping or registers again (the Controller's cut is separate: it restores its own)
         self._suspect: dict[str, asyncio.Task[None]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        # Assigns in flight per replica: their task and the sequences they carry
+        self._assigning: defaultdict[str, dict[asyncio.Task[None], set[int]]] = defaultdict(dict)
         # replica -> incarnation: an Assign placed on an earlier one (before a removal and a
         # registration under the same id) must not reach the new one
         self._incarnations: dict[str, int] = {}
@@ -195,7 +197,10 @@ class Scheduler(Actor):
         """A replica registered again (its agent restarted in place): what the scheduler
         placed there that the agent does not hold goes back to the queue's front, with the
         partial output its Work kept."""
-        lost = [s.id for s in self.core.running_on(replica) if s.id not in held]
+        # an Assign still on its way may reach the new process: it is not lost (if it fails,
+        # the sender puts its sequences back)
+        on_the_way = set().union(*self._assigning.get(replica, {}).values())
+        lost = [s.id for s in self.core.running_on(replica) if s.id not in held | on_the_way]
         if lost:
             kept = {i: len(self._work[i].generated_ids) for i in lost}
             self.core.abort(replica, lost, kept)
@@ -226,6 +231,11 @@ class Scheduler(Actor):
             return ReplicaRemoved(replica=replica, known=False)
         self._cut.add(replica)
         self._update_cut()
+        if msg.force:
+            # an Assign to a dead agent would hold the lock until it timed out; what it
+            # carried is requeued with the rest below
+            for task in self._assigning.get(replica, ()):
+                task.cancel()
         async with self._lock(replica):
             agent = self._agents.get(replica)
             if agent is None:  # a concurrent removal finished first
@@ -496,6 +506,16 @@ class Scheduler(Actor):
         )
 
     async def _assign(self, replica: str, works: list[Work], incarnation: int) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        assigning = self._assigning[replica]
+        assigning[task] = {w.seq_id for w in works}
+        try:
+            await self._assign_now(replica, works, incarnation)
+        finally:
+            del assigning[task]
+
+    async def _assign_now(self, replica: str, works: list[Work], incarnation: int) -> None:
         async with self._lock(replica):
             if self._incarnations.get(replica) != incarnation:
                 return  # removed meanwhile: the removal took these sequences back

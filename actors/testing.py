@@ -179,13 +179,16 @@ class InvariantChecker:
     def check(self) -> None:
         self.checks += 1
         a = self.assembly
-        agents = a.agents
+        # an agent that crashed and is not restarted yet, or that went silent and was taken
+        # out: the Controller has given up on what it holds
+        lost = set(a.controller.lost_devices) if a.controller is not None else set()
+        agents = {d: agent for d, agent in a.agents.items() if agent.running and d not in lost}
         schedulers = a.schedulers
         for role, scheduler in schedulers.items():
             check_ownership(scheduler.core.ledger, scheduler.core)
             seen: dict[int, str] = {}
             for agent in agents.values():
-                if agent.role is not role or not agent.running:
+                if agent.role is not role:
                     continue
                 for seq_id in agent.held_sequences:
                     other = seen.setdefault(seq_id, agent.name)
@@ -234,8 +237,6 @@ class InvariantChecker:
     @staticmethod
     def _check_devices(agents: Mapping[int, Any], expected: Mapping[int, Placement]) -> None:
         for d, agent in agents.items():
-            if not agent.running:
-                continue  # crashed, not restarted yet: the Controller took its replica out
             want = expected.get(d, Placement(Role.FREE, "", ()))
             have = (agent.role, agent.replica or "", tuple(agent.devices))
             if have != (want.role, want.replica, tuple(want.devices)):

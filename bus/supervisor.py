@@ -35,6 +35,9 @@ from pivot.bus.logs import get_logger
 
 ActorFactory = Callable[[], Actor | Awaitable[Actor]]
 
+#: A child process's start count (0 at launch, n at its n-th restart), in its environment.
+START_ENV = "PIVOT_CHILD_START"
+
 #: Each stops everything as cleanly as the others: Ctrl-C, ``kill``, a closed terminal.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -145,6 +148,7 @@ class _ProcessChild(_Child):
         self._ready_timeout = ready_timeout
         self._stop_timeout = stop_timeout
         self.process: asyncio.subprocess.Process | None = None
+        self._starts = 0
 
     @property
     def pid(self) -> int | None:
@@ -153,11 +157,14 @@ class _ProcessChild(_Child):
     async def start(self) -> None:
         env = dict(os.environ)
         env.update(self._env or {})
+        env[START_ENV] = str(self._starts)
+        kwargs = self._kwargs if self._starts == 0 else self._restart_kwargs
+        self._starts += 1
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "pivot.bus.child",
             "--name", self.name,
             "--target", self._target,
-            "--kwargs", self._kwargs if self.process is None else self._restart_kwargs,
+            "--kwargs", kwargs,
             "--parent-pid", str(os.getpid()),
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,

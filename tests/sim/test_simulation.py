@@ -229,6 +229,29 @@ def test_a_killed_agent_restarts_free_its_sequences_run_again_and_the_planner_us
     assert cluster.checks > 5
 
 
+def test_an_agent_that_goes_silent_is_taken_out_and_freed_when_it_answers_again(tmp_path):
+    # agent-0's process lives but stops answering for a while: an Assign and its first
+    # Describes are lost. Its scheduler suspects it and tells the Controller, which finds it
+    # silent and takes its replica out (its sequences run elsewhere); when it answers again
+    # it drops what it still held and is free
+    workload = _busy_toy(tmp_path)
+    faults = FaultPlan(
+        messages=(
+            MessageFault(message="Assign", to="agent-0", skip=1),
+            MessageFault(message="Describe", to="agent-0", skip=1, count=2),
+        )
+    )
+    cluster = _run_with(tmp_path, workload, faults)
+    assert cluster.transport.hits == [1, 2]
+    reports = cluster.assembly.driver.reports
+    assert [r.samples for r in reports] == [16, 16]
+    assert sum(r.duplicates for r in reports) == 0
+    for scheduler in cluster.assembly.schedulers.values():
+        assert scheduler.core.ledger.counts()["done"] == 2 * 16
+    assert cluster.assembly.controller.lost_devices == {}
+    assert cluster.checks > 5
+
+
 def _deterministic(result) -> bytes:
     return msgspec.json.encode(msgspec.structs.replace(result, wall_s=0.0))
 
