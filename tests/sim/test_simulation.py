@@ -229,6 +229,18 @@ def test_a_killed_agent_restarts_free_its_sequences_run_again_and_the_planner_us
     assert cluster.checks > 5
 
 
+@pytest.mark.parametrize("at_s", [2.0, 4.0])  # the trainer holds its pool / has lent it
+def test_a_killed_trainer_pool_agent_comes_back_to_what_the_pool_does(tmp_path, at_s):
+    workload = _busy_toy(tmp_path)
+    faults = FaultPlan(crashes=(ActorCrash(actor="agent-5", at_s=at_s),), restart_after_s=1.0)
+    cluster = _run_with(tmp_path, workload, faults)
+    reports = cluster.assembly.driver.reports
+    assert [r.samples for r in reports] == [16, 16]
+    assert sum(r.duplicates for r in reports) == 0
+    assert cluster.supervisor.restarts("agent-5") == 1
+    assert cluster.checks > 5
+
+
 def test_an_agent_that_goes_silent_is_taken_out_and_freed_when_it_answers_again(tmp_path):
     # agent-0's process lives but stops answering for a while: an Assign and its first
     # Describes are lost. Its scheduler suspects it and tells the Controller, which finds it
