@@ -37,12 +37,12 @@ Without a secret a frame is the envelope and nothing else. With one, every frame
 - A reply or error reply carries its request's seal unchanged: the requester accepts
   it only for the request it sent (the same destination, incarnation and counter).
   Another incarnation's seal is misdirected (it answers someone else); another
-  counter is replayed (it answers an earlier request).
+  counter or destination is replayed (it answers another request of ours).
 - A publication is sealed with ``to`` empty, the publisher's incarnation and its
   sequence number on the topic: a subscriber accepts a (publisher incarnation, topic)
   sequence number only if it is newer than every one it accepted (pub/sub keeps
   order), so a replayed publication is dropped and counted.
-- A receiver remembers the newest ``REPLAY_MEMORY`` incarnations it heard from; one
+- A receiver remembers the ``REPLAY_MEMORY`` incarnations it heard from last; one
   that restarts forgets them all, so a request recorded before it restarted would be
   accepted once more. The secret is what keeps everyone else from sealing frames.
 """

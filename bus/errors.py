@@ -1,7 +1,8 @@
 """The errors the bus raises: one small hierarchy rooted at ``BusError``.
 
 Callers of ``Actor.request`` catch three of them: ``RequestTimeout`` (no reply in
-time, which is also what a frame dropped for a bad HMAC looks like to its sender),
+time, which is also what a request dropped for a bad HMAC, as replayed or as meant for
+another actor looks like to its sender),
 ``RemoteError`` (the remote answered with an error: its handler raised, or it could
 not decode or did not handle the message) and ``Unreachable`` (no such actor, or
 nothing listening at its address).
