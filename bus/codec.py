@@ -331,17 +331,21 @@ class Codec:
         if len(frame) < TRAILER_SIZE:
             raise BadSignature(f"frame of {len(frame)} bytes is too short to carry a seal")
         view = memoryview(frame)
-        signed = view[:-MAC_SIZE]
-        if not hmac.compare_digest(hmac.digest(secret, signed, "sha256"), view[-MAC_SIZE:]):
+        if not hmac.compare_digest(
+            hmac.digest(secret, view[:-MAC_SIZE], "sha256"), view[-MAC_SIZE:]
+        ):
             raise BadSignature("frame HMAC does not match the shared secret")
-        size, incarnation, counter = _FIELDS.unpack(signed[-_FIELDS.size :])
-        end = len(signed) - _FIELDS.size - size
+        fields_at = len(view) - TRAILER_SIZE
+        size, incarnation, counter = _FIELDS.unpack_from(view, fields_at)
+        end = fields_at - size
         if end < 0:
             raise BadSignature("signed frame with a seal longer than the frame")
-        try:
-            to = bytes(signed[end : end + size]).decode()
-        except UnicodeDecodeError:
-            raise BadSignature("signed frame with a destination that is not UTF-8") from None
+        to = ""
+        if size:  # publications have none
+            try:
+                to = bytes(view[end:fields_at]).decode()
+            except UnicodeDecodeError:
+                raise BadSignature("signed frame with a destination that is not UTF-8") from None
         return view[:end], Seal(to, incarnation, counter)
 
     def request_of(self, payload: bytes | memoryview) -> Any:
