@@ -11,6 +11,7 @@ import struct
 import uuid
 from pathlib import Path
 
+import pynng
 import pytest
 
 from pivot.bus import (
@@ -25,6 +26,7 @@ from pivot.bus import (
     ProtocolError,
     RequestTimeout,
     check_bind_address,
+    handles,
     started,
 )
 from pivot.bus.clock import VirtualClock, run_virtual
@@ -380,6 +382,34 @@ async def test_concurrent_requests_and_a_replay_over_nng() -> None:
         assert sorted(server.seen) == sorted(texts)
     await server_bus.close()
     await client_bus.close()
+
+
+async def test_a_slow_request_over_nng_is_sent_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Slow(EchoActor):
+        @handles
+        async def slow(self, msg: Tick) -> Tick:
+            self.seen.append(str(msg.n))
+            await asyncio.sleep(0.4)
+            return msg
+
+    real_req0 = pynng.Req0
+
+    def impatient_req0(**options: object) -> pynng.Req0:
+        # nng's default resend time is a minute, checked every second: make them 50 and
+        # 10 ms, as the transport must override them
+        sock = real_req0(**{"resend_time": 50, **options})
+        pynng.options._setopt_ms(sock, "req:resend-tick", 10)
+        return sock
+
+    monkeypatch.setattr(pynng, "Req0", impatient_req0)
+    directory = Directory.inproc(["server", "client"], namespace=uuid.uuid4().hex)
+    bus = Bus.nng(directory, MESSAGES, secret=SECRET)
+    server, client = Slow("server", bus), Actor("client", bus)
+    async with started(server, client):
+        assert await client.request("server", Tick(n=1), timeout=5) == Tick(n=1)
+        assert server.seen == ["1"]
+        assert server.stats.replayed == 0
+    await bus.close()
 
 
 # -- the secret from a file
