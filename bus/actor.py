@@ -10,8 +10,9 @@ with no handler each produce an error reply (``RemoteError`` at the caller), a l
 line, and a counter; the actor keeps serving. A frame with a bad HMAC, and with a
 secret a signed frame replayed or meant for another actor (see ``pivot.bus.codec``),
 is dropped without a reply (the caller times out), counted and logged at counts 1, 2,
-4, 8...; such a reply fails the request with ``ProtocolError``. Only ``run()`` or a task started with
-``spawn()`` raising counts as a crash: the actor then stops and ``wait()`` raises.
+4, 8...; such a reply fails the request with ``ProtocolError``. Only ``run()`` or a
+task started with ``spawn()`` raising counts as a crash: the actor then stops and
+``wait()`` raises.
 """
 
 from __future__ import annotations

@@ -195,7 +195,9 @@ class Codec:
     """Encodes and decodes the bus's envelopes for a fixed set of message types.
 
     ``messages``: the application's tagged Struct types. ``secret``: when given, every
-    frame is signed with HMAC-SHA256 and frames that fail the check are rejected.
+    frame is sealed (``Seal``) and signed with HMAC-SHA256, and frames that fail the
+    check are rejected; whether a seal may be accepted is the receiving actor's call
+    (see the module docstring).
     """
 
     def __init__(
