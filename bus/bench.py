@@ -41,7 +41,7 @@ import pynng
 
 from pivot.bus.actor import Actor, Bus, handles
 from pivot.bus.clock import RealClock
-from pivot.bus.codec import SECRET_ENV, Message, job_secret
+from pivot.bus.codec import SECRET_ENV, SECRET_FILE_ENV, Message, job_secret
 from pivot.bus.logs import configure_logging
 from pivot.bus.nng import PUBSUB_BUFFER
 from pivot.bus.transport import Directory
@@ -79,7 +79,8 @@ def _child(args: list[str], secret: str) -> subprocess.Popen[str]:
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
-        env={**os.environ, SECRET_ENV: secret},
+        # the run's own secret, whatever the job's is
+        env={**{k: v for k, v in os.environ.items() if k != SECRET_FILE_ENV}, SECRET_ENV: secret},
     )
 
 
