@@ -4,7 +4,9 @@ publications; ipc:// on one host, tcp:// across hosts, inproc:// in tests.
 - A server is one Rep0 socket with ``concurrency`` contexts, each served by one
   long-lived task: no task per request, and up to ``concurrency`` handlers run at once.
 - Requests to an actor go through one Req0 socket per destination and a pool of
-  contexts (one per request in flight), reused; nng enforces the timeout.
+  contexts (one per request in flight), reused; nng enforces the timeout, resends a
+  request whose connection dropped, but not one that is slow to be answered (it would
+  run twice).
 - Pub0 and Sub0 buffers are set to 8192 frames (nng's maximum; the defaults of 16
   and 128 lose most of a burst). Pub/sub still drops whatever a slow subscriber cannot
   absorb, and a subscriber misses what was published before its connection was up
@@ -43,6 +45,11 @@ PUBSUB_BUFFER = 8192  # frames; nng rejects anything larger
 MAX_FRAME = int(os.environ.get("PIVOT_BUS_MAX_FRAME", 256 << 20))
 _RECONNECT_MIN_MS = 10
 _RECONNECT_MAX_MS = 1000
+# nng's Req0 sends a request again after a minute without a reply (its default): a slow
+# handler would run twice, and with a secret the copy is dropped as a replay. A day is
+# longer than any request's timeout. Not "never" (-1): then a request whose connection
+# drops fails at once instead of going out again once the peer is back.
+_RESEND_MS = 24 * 3600 * 1000
 _PIPE_WAIT_S = 0.2  # how long a request waits for a (re)connected pipe before Unreachable
 _DRAIN_BURST = 256  # frames handled before yielding to other tasks
 
@@ -176,6 +183,7 @@ class NngTransport:
             reconnect_time_min=_RECONNECT_MIN_MS,
             reconnect_time_max=_RECONNECT_MAX_MS,
             recv_max_size=self.max_frame,
+            resend_time=_RESEND_MS,
         )
         try:
             # a blocking dial answers "refused" at once for ipc/loopback; in a thread so

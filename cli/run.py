@@ -46,6 +46,7 @@ from pivot.actors.vocabulary import rl_messages
 from pivot.assets import ASSETS
 from pivot.bus import Bus, Directory, RestartPolicy, Supervisor, configure_logging, run_real
 from pivot.bus.codec import job_secret
+from pivot.bus.errors import SecretError
 from pivot.bus.sockets import make_socket_dir, remove_orphaned_socket_dirs
 from pivot.bus.supervisor import SupervisorEscalation
 from pivot.cli.inputs import EVAL_IDS, Inputs, read_inputs
@@ -509,6 +510,11 @@ def main(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
 
+    try:  # a bad secret file is refused before anything is written or started
+        job_secret()
+    except SecretError as exc:
+        print(f"pivot: {exc}", file=sys.stderr)
+        return 2
     overrides = [*args.overrides, *flag_overrides(seed=args.seed, deployment=args.deployment)]
     resume = None
     if args.resume is not None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from pivot.bus.codec import SECRET_ENV, SECRET_FILE_ENV
 from pivot.cli import run
 from pivot.cli.main import main
 from pivot.cli.runconfig import read_header, resolved_config
@@ -110,6 +111,19 @@ def test_a_bad_override_is_one_line_naming_it(tmp_path, capsys, started, overrid
     assert code == 2
     [line] = capsys.readouterr().err.splitlines()
     assert expected in line, line
+    assert not run_dir.exists() and not started
+
+
+def test_a_bad_secret_file_is_one_line_and_starts_nothing(tmp_path, capsys, started, monkeypatch):
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret\n")
+    secret.chmod(0o644)
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    monkeypatch.setenv(SECRET_FILE_ENV, str(secret))
+    run_dir = tmp_path / "run"
+    assert main(["run", str(REPO / "configs/tiny.toml"), "--run-dir", str(run_dir)]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert f"{SECRET_FILE_ENV}={secret}" in line and "open to other users" in line
     assert not run_dir.exists() and not started
 
 
