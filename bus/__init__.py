@@ -21,7 +21,8 @@ Messages (``codec``)
     Ping, Pong, RemoteFailure          system messages the bus adds
 
 Transports (``transport``, ``local``, ``nng``)
-    Transport protocol; LocalTransport(); NngTransport(directory, *, fast_aio=True)
+    Transport protocol; LocalTransport(); NngTransport(directory, *, fast_aio=True,
+                                      max_frame, reply_timeout)
     Directory({name: Endpoint(rep, pub)}) / .ipc(folder, names) / .inproc(names) / .tcp(...)
     check_bind_address(address, *, secured)   non-loopback needs a secret
 

@@ -42,7 +42,7 @@ from pivot.bus.errors import (
     Unreachable,
 )
 from pivot.bus.local import LocalTransport
-from pivot.bus.logs import dispatch_context, get_logger
+from pivot.bus.logs import dispatch_context, get_logger, worth_logging
 from pivot.bus.stats import BusStats
 from pivot.bus.transport import Directory, Publisher, Server, Subscriber, Transport
 
@@ -320,7 +320,11 @@ class Actor:
         secured = self._codec.secured
         try:
             self._server = await self._transport.serve(
-                self.name, self._on_request_frame, concurrency=self.concurrency, secured=secured
+                self.name,
+                self._on_request_frame,
+                concurrency=self.concurrency,
+                secured=secured,
+                stats=self.stats,
             )
             self._publisher = await self._transport.open_publisher(self.name, secured=secured)
             await self.on_start()
@@ -502,13 +506,13 @@ class Actor:
             envelope = codec.decode_request(frame)
         except BadSignature as exc:
             stats.bad_hmac += 1
-            if _worth_logging(stats.bad_hmac):
+            if worth_logging(stats.bad_hmac):
                 self.log.warning("request dropped: bad HMAC", error=exc.text, count=stats.bad_hmac)
             return None
         except FrameError as exc:
             stats.decode_errors += 1
             stats.error_replies += 1
-            if _worth_logging(stats.decode_errors):
+            if worth_logging(stats.decode_errors):
                 self.log.warning(
                     "undecodable request",
                     error=exc.text,
@@ -637,7 +641,7 @@ class Actor:
         except BadSignature as exc:
             stats.bad_hmac += 1
             stats.dropped_frames += 1
-            if _worth_logging(stats.bad_hmac):
+            if worth_logging(stats.bad_hmac):
                 self.log.warning(
                     "publication dropped: bad HMAC", error=exc.text, count=stats.bad_hmac
                 )
@@ -645,7 +649,7 @@ class Actor:
         except FrameError as exc:
             stats.decode_errors += 1
             stats.dropped_frames += 1
-            if _worth_logging(stats.decode_errors):
+            if worth_logging(stats.decode_errors):
                 self.log.warning(
                     "publication dropped: undecodable", error=exc.text, count=stats.decode_errors
                 )
@@ -700,11 +704,6 @@ class Actor:
 
 
 Actor._handlers = _collect_handlers(Actor, {})
-
-
-def _worth_logging(count: int) -> bool:
-    # 1st, 2nd, 4th, 8th...: a flood of bad frames must not become a flood of log lines
-    return count & (count - 1) == 0
 
 
 @contextlib.asynccontextmanager
