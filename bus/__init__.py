@@ -39,6 +39,11 @@ Errors (``errors``)
     BusError > RequestTimeout, RemoteError, Unreachable, ProtocolError,
     InsecureBindError, AddressError, SupervisorEscalation
 
+Counters in a file (``statsfile``)
+    BusStatsFile(bus, path, *, process, interval=10.0)   async context manager: the bus's
+                                      counters rewritten every interval and at exit
+    Supervisor(stats_dir=DIR)          each child process writes DIR/<name>.json
+
 Logging (``logs``)
     configure_logging(level="info", *, json=True, stream=None)
 

@@ -57,6 +57,23 @@ class Bus:
         self.transport = transport
         self.codec = codec
         self.clock: Clock = clock if clock is not None else RealClock()
+        # every actor instance made on this bus, restarted ones included, so that what an
+        # instance counted before it crashed still shows (``stats_by_actor``)
+        self._stats: list[tuple[str, BusStats]] = []
+
+    def stats_by_actor(self) -> dict[str, dict[str, int]]:
+        """The counters of every actor made on this bus, by name; the instances of a
+        restarted actor are summed."""
+        out: dict[str, dict[str, int]] = {}
+        for name, stats in self._stats:
+            counters = stats.snapshot()
+            seen = out.get(name)
+            if seen is None:
+                out[name] = counters
+            else:
+                for key, value in counters.items():
+                    seen[key] += value
+        return out
 
     @classmethod
     def local(
@@ -278,6 +295,7 @@ class Actor:
         self.bus = bus
         self.clock = bus.clock
         self.stats = BusStats()
+        bus._stats.append((name, self.stats))
         self.log = get_logger(actor=name)
         self._codec = bus.codec
         self._transport = bus.transport

@@ -32,6 +32,7 @@ from pivot.bus.actor import Actor
 from pivot.bus.clock import Clock, RealClock
 from pivot.bus.errors import BusError
 from pivot.bus.logs import get_logger
+from pivot.bus.statsfile import STATS_DIR_ENV
 
 ActorFactory = Callable[[], Actor | Awaitable[Actor]]
 
@@ -230,10 +231,13 @@ class Supervisor:
         clock: Clock | None = None,
         policy: RestartPolicy | None = None,
         name: str = "supervisor",
+        stats_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         self.clock: Clock = clock if clock is not None else RealClock()
         self.policy = policy if policy is not None else RestartPolicy()
         self.name = name
+        # each process child keeps its bus counters in stats_dir/<name>.json
+        self._child_env = {STATS_DIR_ENV: os.fspath(stats_dir)} if stats_dir is not None else {}
         self.events: deque[SupervisorEvent] = deque(maxlen=10_000)
         self.log = get_logger(actor=name)
         self._children: dict[str, _Child] = {}
@@ -276,7 +280,13 @@ class Supervisor:
             raise ValueError(f"target must look like 'package.module:function', got {target!r}")
         self._add(
             _ProcessChild(
-                name, target, kwargs or {}, policy or self.policy, env, ready_timeout, stop_timeout
+                name,
+                target,
+                kwargs or {},
+                policy or self.policy,
+                {**self._child_env, **(env or {})},
+                ready_timeout,
+                stop_timeout,
             )
         )
 

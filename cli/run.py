@@ -47,6 +47,7 @@ from pivot.assets import ASSETS
 from pivot.bus import Bus, Directory, RestartPolicy, Supervisor, configure_logging, run_real
 from pivot.bus.codec import job_secret
 from pivot.bus.sockets import make_socket_dir, remove_orphaned_socket_dirs
+from pivot.bus.statsfile import BusStatsFile, read_stats_dir, trouble
 from pivot.bus.supervisor import SupervisorEscalation
 from pivot.cli.inputs import EVAL_IDS, Inputs, read_inputs
 from pivot.cli.interrupts import Interrupted, signal_of
@@ -84,6 +85,9 @@ from pivot.timeline import RoleSample, ShiftMark, TrainSpan
 TINY_CPU_COST = CostModel(a=2e-7, b=1e-3, c=5e-5, d=5e-4)
 
 _SHORT = {"rollout": "RO", "reward": "RM", "training": "TR"}
+
+#: The run dir's folder of bus counters, one file per process (docs/metrics.md).
+BUS_STATS = "bus"
 
 
 def resolve_model(name: str, source: str, key: str) -> Path:
@@ -249,7 +253,10 @@ class Job:
             interval=0.1,
         )
         control = self.job.control
-        sup = Supervisor(policy=RestartPolicy(max_restarts=2, window=60.0))
+        sup = Supervisor(
+            policy=RestartPolicy(max_restarts=2, window=60.0), stats_dir=run_dir / BUS_STATS
+        )
+        counters = BusStatsFile(self.bus, run_dir / BUS_STATS / "main.json", process="main")
         self.assembly = assemble(
             d,
             self.bus,
@@ -291,6 +298,7 @@ class Job:
         )
         driver = self.assembly.driver
         sup.install_signal_handlers()
+        counters.start()
         try:
             try:
                 await sup.start()
@@ -308,6 +316,7 @@ class Job:
             failed.cancel()
         finally:
             await sup.stop()
+            await counters.close()  # the children wrote their final counts as they stopped
             await self.bus.close()
             sup.remove_signal_handlers()
             metrics.close()
@@ -391,6 +400,16 @@ def write_plot(runner: Job | None, run_dir: Path, kind: str) -> Path | None:
         run_dir / "throughput.png",
         title=f"pivot run ({kind}): {run_dir.name}",
     )
+
+
+def bus_trouble_line(run_dir: Path) -> str | None:
+    """One line of the bus counters that say traffic was lost, refused or late, summed over
+    the job's processes (None when all are zero)."""
+    folder = run_dir / BUS_STATS
+    counts = trouble(read_stats_dir(folder))
+    if not counts:
+        return None
+    return "bus: " + ", ".join(f"{n} {name}" for name, n in counts.items()) + f" (see {folder})"
 
 
 def scores_text(scores: Scores) -> str:
@@ -606,6 +625,8 @@ def main(args: argparse.Namespace) -> int:
             style="red",
             soft_wrap=True,
         )
+        if (line := bus_trouble_line(run_dir)) is not None:
+            console.print(line, style="yellow")
         return 1
     finally:
         tracker.close()
@@ -634,6 +655,8 @@ def main(args: argparse.Namespace) -> int:
         + f"logs {run_dir / 'actors.log'}"
         + (f", tensorboard --logdir {run_dir / 'tensorboard'}" if job.log.tensorboard else "")
     )
+    if (line := bus_trouble_line(run_dir)) is not None:
+        console.print(line, style="yellow")
     saved = [r.checkpoint for r in reports if r.checkpoint]
     if saved:
         console.print(
