@@ -71,10 +71,17 @@ from pivot.cli.runconfig import (
 from pivot.cli.tracking import NoTracker, Tracker, open_tracker
 from pivot.cluster import Role, RoleSpec
 from pivot.config import ConfigError, blame_overrides, load_toml
-from pivot.engines.checkpoint import DecoderSpec, FallbackSpec, inspect_checkpoint
+from pivot.engines.checkpoint import (
+    DecoderSpec,
+    FallbackSpec,
+    ModelShape,
+    inspect_checkpoint,
+    model_shape,
+)
 from pivot.engines.protocol import SamplingParams
 from pivot.engines.tokenizer import TextCodec
 from pivot.job import JobConfig
+from pivot.memory import estimate_memory, gib
 from pivot.planning.cost import CostModel
 from pivot.planning.routing import RouterSettings, make_router
 from pivot.prompts import JudgePrompt
@@ -438,8 +445,9 @@ def prepare(
     steps: int | None = None,
 ) -> tuple[JobConfig, Path, Path | None, Inputs]:
     """The job's config with command-line overrides (``key=value``; the flags are overrides
-    too, applied last), validated, its model folders, its data and its reward code, all read
-    before any child process starts."""
+    too, applied last), validated, its model folders, its memory estimate (refused when over
+    what this host has available), its data and its reward code, all read before any child
+    process starts."""
     overrides = [*overrides, *flag_overrides(seed=seed, deployment=deployment, steps=steps)]
     job = load_toml(config, JobConfig, overrides)
     try:
@@ -453,6 +461,7 @@ def prepare(
         else None
     )
     codecs = {}  # each role's tokenizer, read once by its model's check
+    shapes = {}
     for role, folder, key, tokens in (
         (Role.ROLLOUT, policy, "rollout.max_new_tokens", job.rollout.max_new_tokens),
         (Role.REWARD, genrm, "reward.max_new_tokens", job.reward.max_new_tokens),
@@ -460,6 +469,7 @@ def prepare(
         if folder is None:
             continue
         spec, codecs[role] = check_model(folder)
+        shapes[role] = model_shape(folder)
         positions = getattr(spec, "max_position_embeddings", None)
         if positions is not None and tokens >= positions:
             raise ConfigError(
@@ -477,6 +487,7 @@ def prepare(
             f"at most {most} (8 per CPU core here: each device is a process)",
             f"int {job.cluster.devices}",
         )
+    check_memory(job, shapes, config)
     inputs = read_inputs(job, config)
     if job.reward.system_prompt and not codecs[Role.REWARD].has_chat_template:
         raise ConfigError(
@@ -486,6 +497,34 @@ def prepare(
             f"none in {genrm}",
         )
     return job, policy, genrm, inputs
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this host can give a new job without swapping (``MemAvailable`` in
+    /proc/meminfo); None where the kernel does not say."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def check_memory(
+    job: JobConfig, shapes: dict[Role, ModelShape], config: str, available: int | None = None
+) -> None:
+    """Refuse a job whose memory estimate (``pivot.memory``) exceeds what this host has
+    available, in one line giving the estimate and its largest parts."""
+    if available is None:
+        available = available_memory()
+    estimate = estimate_memory(job, shapes)
+    if available is not None and estimate.total > available:
+        raise ConfigError(
+            config,
+            "",
+            f"a job that fits in the {gib(available)} of memory available here "
+            "(MemAvailable in /proc/meminfo)",
+            f"an estimated {estimate.describe()} (pivot.memory)",
+        )
 
 
 def check_model(folder: Path) -> tuple[DecoderSpec | FallbackSpec, TextCodec]:
