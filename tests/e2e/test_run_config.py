@@ -223,3 +223,22 @@ def test_the_memory_check_compares_the_estimate_with_what_is_available(tmp_path)
     run.check_memory(job, shapes, "tiny.toml", available=needed)
     with pytest.raises(ConfigError, match=r"tiny.toml: expected a job that fits in the .*process runtimes"):
         run.check_memory(job, shapes, "tiny.toml", available=needed - 1)
+
+
+def test_the_summary_names_the_bus_troubles_of_every_process(tmp_path):
+    from pivot.bus.statsfile import StatsRecord, write_record
+
+    folder = tmp_path / "bus"
+    folder.mkdir()
+    assert run.bus_trouble_line(tmp_path) is None  # no files: nothing to say
+    for process, counts in (
+        ("main", {"requests_sent": 9, "request_timeouts": 2}),
+        ("agent-0", {"requests_sent": 4, "lost_frames": 3, "request_timeouts": 1}),
+    ):
+        write_record(
+            folder / f"{process}.json",
+            StatsRecord(process=process, pid=1, final=True, actors={}, totals=counts),
+        )
+    assert run.bus_trouble_line(tmp_path) == (
+        f"bus: 3 lost_frames, 3 request_timeouts (see {folder})"
+    )
