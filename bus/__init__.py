@@ -23,7 +23,8 @@ Messages (``codec``)
     Ping, Pong, RemoteFailure          system messages the bus adds
 
 Transports (``transport``, ``local``, ``nng``)
-    Transport protocol; LocalTransport(); NngTransport(directory, *, fast_aio=True)
+    Transport protocol; LocalTransport(); NngTransport(directory, *, fast_aio=True,
+                                      max_frame, reply_timeout)
     Directory({name: Endpoint(rep, pub)}) / .ipc(folder, names) / .inproc(names) / .tcp(...)
     check_bind_address(address, *, secured)   any tcp bind needs a secret
 
@@ -39,6 +40,11 @@ Supervision (``supervisor``, ``child``)
 Errors (``errors``)
     BusError > RequestTimeout, RemoteError, Unreachable, ProtocolError,
     InsecureBindError, AddressError, SecretError, SupervisorEscalation
+
+Counters in a file (``statsfile``)
+    BusStatsFile(bus, path, *, process, interval=10.0)   async context manager: the bus's
+                                      counters rewritten every interval and at exit
+    Supervisor(stats_dir=DIR)          each child process writes DIR/<name>.json
 
 Logging (``logs``)
     configure_logging(level="info", *, json=True, stream=None)

@@ -49,7 +49,7 @@ from pivot.bus.errors import (
     Unreachable,
 )
 from pivot.bus.local import LocalTransport
-from pivot.bus.logs import dispatch_context, get_logger
+from pivot.bus.logs import dispatch_context, get_logger, worth_logging
 from pivot.bus.replay import ReplayWindow
 from pivot.bus.stats import BusStats
 from pivot.bus.transport import Directory, Publisher, Server, Subscriber, Transport
@@ -65,6 +65,23 @@ class Bus:
         self.transport = transport
         self.codec = codec
         self.clock: Clock = clock if clock is not None else RealClock()
+        # every actor instance made on this bus, restarted ones included, so that what an
+        # instance counted before it crashed still shows (``stats_by_actor``)
+        self._stats: list[tuple[str, BusStats]] = []
+
+    def stats_by_actor(self) -> dict[str, dict[str, int]]:
+        """The counters of every actor made on this bus, by name; the instances of a
+        restarted actor are summed."""
+        out: dict[str, dict[str, int]] = {}
+        for name, stats in self._stats:
+            counters = stats.snapshot()
+            seen = out.get(name)
+            if seen is None:
+                out[name] = counters
+            else:
+                for key, value in counters.items():
+                    seen[key] += value
+        return out
 
     @classmethod
     def local(
@@ -286,6 +303,7 @@ class Actor:
         self.bus = bus
         self.clock = bus.clock
         self.stats = BusStats()
+        bus._stats.append((name, self.stats))
         self.log = get_logger(actor=name)
         self._codec = bus.codec
         self._transport = bus.transport
@@ -334,7 +352,11 @@ class Actor:
         secured = self._codec.secured
         try:
             self._server = await self._transport.serve(
-                self.name, self._on_request_frame, concurrency=self.concurrency, secured=secured
+                self.name,
+                self._on_request_frame,
+                concurrency=self.concurrency,
+                secured=secured,
+                stats=self.stats,
             )
             self._publisher = await self._transport.open_publisher(self.name, secured=secured)
             await self.on_start()
@@ -525,7 +547,7 @@ class Actor:
         else:
             stats.replayed += 1
             what, count = "replayed", stats.replayed
-        if _worth_logging(count):
+        if worth_logging(count):
             self.log.warning(f"reply dropped: {what}", to=to, count=count)
         raise ProtocolError(f"reply from {to!r} was {what}: it answers another request")
 
@@ -533,14 +555,14 @@ class Actor:
         stats = self.stats
         if seal.to != self.name:
             stats.misdirected += 1
-            if _worth_logging(stats.misdirected):
+            if worth_logging(stats.misdirected):
                 self.log.warning(
                     "request dropped: misdirected", meant_for=seal.to, count=stats.misdirected
                 )
             return False
         if not self._requests_seen.admit(seal.incarnation, seal.counter):
             stats.replayed += 1
-            if _worth_logging(stats.replayed):
+            if worth_logging(stats.replayed):
                 self.log.warning(
                     "request dropped: replayed", counter=seal.counter, count=stats.replayed
                 )
@@ -557,7 +579,7 @@ class Actor:
             payload, seal = codec.unseal(frame)
         except BadSignature as exc:
             stats.bad_hmac += 1
-            if _worth_logging(stats.bad_hmac):
+            if worth_logging(stats.bad_hmac):
                 self.log.warning("request dropped: bad HMAC", error=exc.text, count=stats.bad_hmac)
             return None
         if seal is not None and not self._admit_request(seal):
@@ -567,7 +589,7 @@ class Actor:
         except FrameError as exc:
             stats.decode_errors += 1
             stats.error_replies += 1
-            if _worth_logging(stats.decode_errors):
+            if worth_logging(stats.decode_errors):
                 self.log.warning(
                     "undecodable request",
                     error=exc.text,
@@ -709,7 +731,7 @@ class Actor:
         except BadSignature as exc:
             stats.bad_hmac += 1
             stats.dropped_frames += 1
-            if _worth_logging(stats.bad_hmac):
+            if worth_logging(stats.bad_hmac):
                 self.log.warning(
                     "publication dropped: bad HMAC", error=exc.text, count=stats.bad_hmac
                 )
@@ -717,7 +739,7 @@ class Actor:
         except FrameError as exc:
             stats.decode_errors += 1
             stats.dropped_frames += 1
-            if _worth_logging(stats.decode_errors):
+            if worth_logging(stats.decode_errors):
                 self.log.warning(
                     "publication dropped: undecodable", error=exc.text, count=stats.decode_errors
                 )
@@ -730,7 +752,7 @@ class Actor:
         ):
             stats.replayed += 1
             stats.dropped_frames += 1
-            if _worth_logging(stats.replayed):
+            if worth_logging(stats.replayed):
                 self.log.warning("publication dropped: replayed", topic=topic, count=stats.replayed)
             return
         sender = envelope.sender
@@ -780,11 +802,6 @@ class Actor:
 
 
 Actor._handlers = _collect_handlers(Actor, {})
-
-
-def _worth_logging(count: int) -> bool:
-    # 1st, 2nd, 4th, 8th...: a flood of bad frames must not become a flood of log lines
-    return count & (count - 1) == 0
 
 
 @contextlib.asynccontextmanager

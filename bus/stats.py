@@ -16,6 +16,7 @@ class BusStats:
     unreachable: int = 0
     requests_served: int = 0
     error_replies: int = 0
+    reply_timeouts: int = 0  # replies abandoned: the requester did not read them in time
     handler_errors: int = 0
     published: int = 0  # messages, not frames
     publish_frames: int = 0

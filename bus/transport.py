@@ -22,6 +22,7 @@ from typing import Protocol
 import msgspec
 
 from pivot.bus.errors import AddressError, InsecureBindError, Unreachable
+from pivot.bus.stats import BusStats
 
 FrameHandler = Callable[[bytes], Awaitable[bytes | None]]
 FrameSink = Callable[[bytes], None]
@@ -53,8 +54,17 @@ class Subscriber(Protocol):
 
 class Transport(Protocol):
     async def serve(
-        self, name: str, handler: FrameHandler, *, concurrency: int, secured: bool
-    ) -> Server: ...
+        self,
+        name: str,
+        handler: FrameHandler,
+        *,
+        concurrency: int,
+        secured: bool,
+        stats: BusStats,
+    ) -> Server:
+        """Serve ``name``'s requests with ``handler``; what the transport itself drops or
+        abandons (a reply its requester never reads) is counted in ``stats``."""
+        ...
 
     async def request(self, to: str, frame: bytes, timeout: float) -> bytes: ...
 

@@ -48,6 +48,7 @@ from pivot.bus import Bus, Directory, RestartPolicy, Supervisor, configure_loggi
 from pivot.bus.codec import job_secret
 from pivot.bus.errors import SecretError
 from pivot.bus.sockets import make_socket_dir, remove_orphaned_socket_dirs
+from pivot.bus.statsfile import BusStatsFile, read_stats_dir, trouble
 from pivot.bus.supervisor import SupervisorEscalation
 from pivot.cli.inputs import EVAL_IDS, Inputs, read_inputs
 from pivot.cli.interrupts import Interrupted, signal_of
@@ -71,10 +72,17 @@ from pivot.cli.runconfig import (
 from pivot.cli.tracking import NoTracker, Tracker, open_tracker
 from pivot.cluster import Role, RoleSpec
 from pivot.config import ConfigError, blame_overrides, load_toml
-from pivot.engines.checkpoint import DecoderSpec, FallbackSpec, inspect_checkpoint
+from pivot.engines.checkpoint import (
+    DecoderSpec,
+    FallbackSpec,
+    ModelShape,
+    inspect_checkpoint,
+    model_shape,
+)
 from pivot.engines.protocol import SamplingParams
 from pivot.engines.tokenizer import TextCodec
 from pivot.job import JobConfig
+from pivot.memory import estimate_memory, gib
 from pivot.planning.cost import CostModel
 from pivot.planning.routing import RouterSettings, make_router
 from pivot.prompts import JudgePrompt
@@ -85,6 +93,9 @@ from pivot.timeline import RoleSample, ShiftMark, TrainSpan
 TINY_CPU_COST = CostModel(a=2e-7, b=1e-3, c=5e-5, d=5e-4)
 
 _SHORT = {"rollout": "RO", "reward": "RM", "training": "TR"}
+
+#: The run dir's folder of bus counters, one file per process (docs/metrics.md).
+BUS_STATS = "bus"
 
 
 def resolve_model(name: str, source: str, key: str) -> Path:
@@ -250,7 +261,10 @@ class Job:
             interval=0.1,
         )
         control = self.job.control
-        sup = Supervisor(policy=RestartPolicy(max_restarts=2, window=60.0))
+        sup = Supervisor(
+            policy=RestartPolicy(max_restarts=2, window=60.0), stats_dir=run_dir / BUS_STATS
+        )
+        counters = BusStatsFile(self.bus, run_dir / BUS_STATS / "main.json", process="main")
         self.assembly = assemble(
             d,
             self.bus,
@@ -292,6 +306,7 @@ class Job:
         )
         driver = self.assembly.driver
         sup.install_signal_handlers()
+        counters.start()
         try:
             try:
                 await sup.start()
@@ -309,6 +324,7 @@ class Job:
             failed.cancel()
         finally:
             await sup.stop()
+            await counters.close()  # the children wrote their final counts as they stopped
             await self.bus.close()
             sup.remove_signal_handlers()
             metrics.close()
@@ -394,6 +410,16 @@ def write_plot(runner: Job | None, run_dir: Path, kind: str) -> Path | None:
     )
 
 
+def bus_trouble_line(run_dir: Path) -> str | None:
+    """One line of the bus counters that say traffic was lost, refused or late, summed over
+    the job's processes (None when all are zero)."""
+    folder = run_dir / BUS_STATS
+    counts = trouble(read_stats_dir(folder))
+    if not counts:
+        return None
+    return "bus: " + ", ".join(f"{n} {name}" for name, n in counts.items()) + f" (see {folder})"
+
+
 def scores_text(scores: Scores) -> str:
     """A step's (or an evaluation's) scores in a line: the mean reward over the samples
     scored, the failed rewards and their causes, the checker's accuracy and the GenRM's
@@ -420,8 +446,9 @@ def prepare(
     steps: int | None = None,
 ) -> tuple[JobConfig, Path, Path | None, Inputs]:
     """The job's config with command-line overrides (``key=value``; the flags are overrides
-    too, applied last), validated, its model folders, its data and its reward code, all read
-    before any child process starts."""
+    too, applied last), validated, its model folders, its memory estimate (refused when over
+    what this host has available), its data and its reward code, all read before any child
+    process starts."""
     overrides = [*overrides, *flag_overrides(seed=seed, deployment=deployment, steps=steps)]
     job = load_toml(config, JobConfig, overrides)
     try:
@@ -435,6 +462,7 @@ def prepare(
         else None
     )
     codecs = {}  # each role's tokenizer, read once by its model's check
+    shapes = {}
     for role, folder, key, tokens in (
         (Role.ROLLOUT, policy, "rollout.max_new_tokens", job.rollout.max_new_tokens),
         (Role.REWARD, genrm, "reward.max_new_tokens", job.reward.max_new_tokens),
@@ -442,6 +470,7 @@ def prepare(
         if folder is None:
             continue
         spec, codecs[role] = check_model(folder)
+        shapes[role] = model_shape(folder)
         positions = getattr(spec, "max_position_embeddings", None)
         if positions is not None and tokens >= positions:
             raise ConfigError(
@@ -459,6 +488,7 @@ def prepare(
             f"at most {most} (8 per CPU core here: each device is a process)",
             f"int {job.cluster.devices}",
         )
+    check_memory(job, shapes, config)
     inputs = read_inputs(job, config)
     if job.reward.system_prompt and not codecs[Role.REWARD].has_chat_template:
         raise ConfigError(
@@ -468,6 +498,34 @@ def prepare(
             f"none in {genrm}",
         )
     return job, policy, genrm, inputs
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this host can give a new job without swapping (``MemAvailable`` in
+    /proc/meminfo); None where the kernel does not say."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def check_memory(
+    job: JobConfig, shapes: dict[Role, ModelShape], config: str, available: int | None = None
+) -> None:
+    """Refuse a job whose memory estimate (``pivot.memory``) exceeds what this host has
+    available, in one line giving the estimate and its largest parts."""
+    if available is None:
+        available = available_memory()
+    estimate = estimate_memory(job, shapes)
+    if available is not None and estimate.total > available:
+        raise ConfigError(
+            config,
+            "",
+            f"a job that fits in the {gib(available)} of memory available here "
+            "(MemAvailable in /proc/meminfo)",
+            f"an estimated {estimate.describe()} (pivot.memory)",
+        )
 
 
 def check_model(folder: Path) -> tuple[DecoderSpec | FallbackSpec, TextCodec]:
@@ -612,6 +670,8 @@ def main(args: argparse.Namespace) -> int:
             style="red",
             soft_wrap=True,
         )
+        if (line := bus_trouble_line(run_dir)) is not None:
+            console.print(line, style="yellow")
         return 1
     finally:
         tracker.close()
@@ -640,6 +700,8 @@ def main(args: argparse.Namespace) -> int:
         + f"logs {run_dir / 'actors.log'}"
         + (f", tensorboard --logdir {run_dir / 'tensorboard'}" if job.log.tensorboard else "")
     )
+    if (line := bus_trouble_line(run_dir)) is not None:
+        console.print(line, style="yellow")
     saved = [r.checkpoint for r in reports if r.checkpoint]
     if saved:
         console.print(
