@@ -109,6 +109,7 @@ class ChildProcess(NamedTuple):
     ready_timeout: float
     policy: RestartPolicy | None = None
     stop_timeout: float = 5.0
+    after_earlier: bool = False  # starts once the children before it are ready
 
     def add_to(
         self, supervisor: Supervisor, name: str, *, restart_kwargs: dict[str, Any] | None = None
@@ -122,6 +123,7 @@ class ChildProcess(NamedTuple):
             ready_timeout=self.ready_timeout,
             stop_timeout=self.stop_timeout,
             restart_kwargs=restart_kwargs,
+            after_earlier=self.after_earlier,
         )
 
 
@@ -137,6 +139,11 @@ class Backend(Protocol):
     def agent(self, agent: AgentStart) -> Callable[[], AgentParts] | ChildProcess:
         """How to make the engines of the agent ``agent`` describes (called at each start of
         an agent in this process), or the child process that hosts it."""
+        ...
+
+    def controller(self, deployment: Deployment) -> ChildProcess | None:
+        """The child process that hosts the deployment's Controller, or None: it runs in this
+        process (built from the ``Control`` passed to ``assemble``)."""
         ...
 
     def trainer(
@@ -320,11 +327,17 @@ def assemble(
     if driver.wait_for_controller and deployment.managed:
         the_driver.before_first_step = functools.partial(_controller_ready, the_driver)
     if control is not None and deployment.managed:
-        supervisor.add_actor(
-            CONTROLLER,
-            lambda: _controller(deployment, bus, control, the_driver, driver),
-            policy=control.restart,
-        )
+        child = backend.controller(deployment)
+        if child is not None:
+            child.add_to(supervisor, CONTROLLER)
+        else:
+            # batches overlap only with staleness: a stage policy serves the oldest one's first
+            oldest = the_driver.oldest_open_stage if driver.staleness else None
+            supervisor.add_actor(
+                CONTROLLER,
+                lambda: build_controller(deployment, bus, control, oldest),
+                policy=control.restart,
+            )
         managed = {agent_name(d) for d in range(deployment.managed)}
         supervisor.listen(_AgentWatch(the_driver, managed))
     for name, factory in watchers:
@@ -372,13 +385,14 @@ def _add_agent(
     supervisor.add_actor(start.name, agent)
 
 
-def _controller(
+def build_controller(
     deployment: Deployment,
     bus: Bus,
     control: Control,
-    driver: Driver,
-    options: DriverOptions,
+    oldest_stage: Callable[[], Any] | None = None,
 ) -> Controller:
+    """The deployment's Controller, with the planner or the stage policy its kind calls for
+    (``oldest_stage``: the Driver's oldest open stage, which a stage policy serves first)."""
     spec = deployment.cluster_spec(control.roles)
     assert spec is not None
     policy: ShiftPolicy
@@ -387,8 +401,7 @@ def _controller(
             spec, control.cost_models, control.settings.planner, control.routers, control.timer
         )
     else:
-        # batches overlap only with staleness: then serve the oldest one's stage first
-        policy = StagePolicy(spec, driver.oldest_open_stage if options.staleness else None)
+        policy = StagePolicy(spec, oldest_stage)
     if control.wrap_policy is not None:
         policy = control.wrap_policy(policy)
     return Controller(
@@ -472,4 +485,5 @@ __all__ = [
     "agent_name",
     "trainer_names",
     "assemble",
+    "build_controller",
 ]

@@ -6,12 +6,16 @@ outside would land at a random one. ``PIVOT_FAULT`` holds comma-separated entrie
 * ``kill-agent:NAME:STEPS[:ROLE]``: the agent process NAME SIGKILLs itself (no cleanup, no
   FAILED line: as ``kill -9``) right after its STEPS-th engine step (counting only steps in
   ROLE, when given), in its first start only, so that its restart runs undisturbed.
+* ``kill-controller:RECORD``: the Controller's process SIGKILLs itself right before it
+  writes its RECORD-th shift journal record (1-based), in its first start only: a crash at
+  a chosen phase of a chosen shift.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+from typing import Any
 
 from pivot.actors.agent import RoleAgent, Threaded
 from pivot.bus.supervisor import START_ENV
@@ -56,3 +60,30 @@ def agent_stepping(name: str) -> KilledAfterSteps | None:
         if len(args) in (2, 3) and args[0] == name:
             return KilledAfterSteps(int(args[1]), Role(args[2]) if len(args) == 3 else None)
     return None
+
+
+class _KilledBeforeRecord:
+    """A journal whose process dies right before its ``record``-th append."""
+
+    def __init__(self, inner: Any, record: int) -> None:
+        self._inner = inner
+        self._left = record
+
+    def append(self, record: Any) -> None:
+        self._left -= 1
+        if self._left <= 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        self._inner.append(record)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def crashing_journal(journal: Any) -> Any:
+    """``journal``, or a wrapper that kills the process as ``kill-controller`` plans."""
+    if not first_start():
+        return journal
+    for args in planned("kill-controller"):
+        if len(args) == 1:
+            return _KilledBeforeRecord(journal, int(args[0]))
+    return journal

@@ -1,27 +1,88 @@
-"""The real backend on one host: every agent and every trainer rank a supervised child
-process, talking nng ipc://. Agents serve Hugging Face checkpoint folders with pivot's torch
-engine (one engine per role the agent may serve) and read new policy versions from the GPS
-host store; the trainer is a DeepSpeed group on gloo, one rank per trainer device, rank 0
-writing each new policy to that store.
+"""The real backend on one host: every agent, every trainer rank and the Controller a
+supervised child process, talking nng ipc://. Agents serve Hugging Face checkpoint folders
+with pivot's torch engine (one engine per role the agent may serve) and read new policy
+versions from the GPS host store; the trainer is a DeepSpeed group on gloo, one rank per
+trainer device, rank 0 writing each new policy to that store. The Controller's process can
+die alone: the supervisor restarts it, and it replays its journal and reconciles while the
+job goes on. (A time-sharing baseline's stage policy reads the Driver's open batches, so its
+Controller stays in the job's process.)
 
     ProcessBackend(directory, *, checkpoints, store, router, max_running, threads, seed,
-                   training, rendezvous_dir, resume=None)
+                   training, rendezvous_dir, resume=None, controller=None)
+    ControllerSpec: what a Controller process is built from (JSON), .control() -> Control
+    controller_process(name, *, directory, deployment, spec)   its child factory
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
-from pivot.actors.assembly import AgentStart, ChildProcess
-from pivot.bus import Directory
-from pivot.cluster import Role
+import msgspec
+
+from pivot.actors.assembly import AgentStart, ChildProcess, Control, build_controller
+from pivot.actors.controller import Controller, ControllerSettings, open_journal
+from pivot.bus import Bus, Directory, RestartPolicy
+from pivot.bus.codec import job_secret
+from pivot.cluster import Role, RoleSpec
 from pivot.deployment import Deployment
-from pivot.planning.routing import Router
+from pivot.planning.cost import CostModel
+from pivot.planning.routing import Router, RouterSettings
 from pivot.training import TrainingSettings
 
 #: An agent process imports torch and loads one engine per role: seconds, more under load.
 AGENT_READY_TIMEOUT_S = 180.0
+CONTROLLER_READY_TIMEOUT_S = 60.0
+
+
+class ControllerSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """A Controller as data, so that a child process can build it: its settings, the
+    inference roles' specs, cost models, models and routers, its journal's path, and how
+    often its process may be restarted."""
+
+    settings: ControllerSettings
+    roles: dict[Role, RoleSpec]
+    cost_models: dict[Role, CostModel]
+    journal: str
+    models: dict[Role, str] | None = None
+    routers: dict[Role, RouterSettings] | None = None
+    restart: RestartPolicy = RestartPolicy(max_restarts=3, window=60.0, backoff=0.5)
+
+    def control(self) -> Control:
+        import time
+
+        path = self.journal
+        return Control(
+            settings=self.settings,
+            journal=lambda: open_journal(path),
+            roles=self.roles,
+            cost_models=self.cost_models,
+            models=self.models,
+            routers=self.routers,
+            timer=time.perf_counter,  # how long planning takes, for the planner's own record
+            restart=self.restart,
+        )
+
+
+def controller_process(
+    name: str, *, directory: dict[str, Any], deployment: dict[str, Any], spec: dict[str, Any]
+) -> Controller:
+    """Factory for the Controller's child process (see ``ControllerSpec``)."""
+    from pivot.actors.faults import crashing_journal
+    from pivot.actors.vocabulary import rl_messages
+
+    made = msgspec.convert(spec, ControllerSpec, strict=False)
+    control = made.control()
+    opened = control.journal
+    control = dataclasses.replace(control, journal=lambda: crashing_journal(opened()))
+    bus = Bus.nng(Directory.from_dict(directory), rl_messages(), secret=job_secret())
+    # (JSON made its int keys strings)
+    deployment_ = msgspec.convert(deployment, Deployment, strict=False)
+    controller = build_controller(deployment_, bus, control)
+    assert controller.name == name
+    return controller
 
 
 class ProcessBackend:
@@ -48,6 +109,7 @@ class ProcessBackend:
         training: TrainingSettings,
         rendezvous_dir: Path,
         resume: Path | None = None,
+        controller: ControllerSpec | None = None,
     ) -> None:
         self.directory = directory
         self.checkpoints = dict(checkpoints)
@@ -59,9 +121,27 @@ class ProcessBackend:
         self.training = training
         self.rendezvous_dir = rendezvous_dir
         self.resume = resume
+        self.controller_spec = controller
 
     def router(self, role: Role) -> Router:
         return self._router(role)
+
+    def controller(self, deployment: Deployment) -> ChildProcess | None:
+        spec = self.controller_spec
+        if spec is None or deployment.policy != "planner":
+            return None
+        return ChildProcess(
+            target="pivot.actors.processes:controller_process",
+            kwargs={
+                "directory": self.directory.to_dict(),
+                "deployment": msgspec.to_builtins(deployment),
+                "spec": msgspec.to_builtins(spec),
+            },
+            env={"OMP_NUM_THREADS": "1"},
+            ready_timeout=CONTROLLER_READY_TIMEOUT_S,
+            policy=spec.restart,
+            after_earlier=True,  # its recovery asks every agent what it holds
+        )
 
     def agent(self, agent: AgentStart) -> ChildProcess:
         return ChildProcess(

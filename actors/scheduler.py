@@ -61,7 +61,7 @@ from pivot.actors.shift_messages import (
     RestoreRouting,
     RoleLoadReport,
 )
-from pivot.bus import Actor, Bus, BusError, Ping, Pong, handles
+from pivot.bus import Actor, Bus, BusError, Ping, Pong, RemoteError, handles
 from pivot.cluster import Role
 from pivot.planning.queue import Owner, Sequence, SequenceLedger
 from pivot.planning.routing import RoleScheduler, Router
@@ -452,7 +452,8 @@ class Scheduler(Actor):
                     # back to the queue's front: the sequences stay owned, nothing is lost
                     self.core.abort(replica, [i for i in sent if i in running])
                 self.log.warning("assign failed", replica=replica, error=repr(error))
-                if replica in self._agents:
+                if replica in self._agents and not isinstance(error, RemoteError):
+                    # (an agent that answered, if only to refuse, is there)
                     self._suspect_replica(replica, repr(error))
                 self._kick.set()
 

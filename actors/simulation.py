@@ -311,6 +311,9 @@ class SimBackend:
 
         return parts
 
+    def controller(self, deployment: Deployment) -> None:
+        return None  # in this process, on the virtual clock
+
     def trainer(
         self, name: str, deployment: Deployment, controller: str | None
     ) -> Callable[[Clock], SimTrainingBackend]:

@@ -78,6 +78,10 @@ class SupervisorEscalation(BusError):
         super().__init__(f"{told}; stopped everything")
 
 
+class ChildDidNotStart(BusError):
+    """A child process exited or stayed silent before it reported ready."""
+
+
 class SupervisorEvent(msgspec.Struct, frozen=True):
     at: float
     child: str
@@ -138,8 +142,10 @@ class _ProcessChild(_Child):
         ready_timeout: float,
         stop_timeout: float,
         restart_kwargs: Mapping[str, Any] | None = None,
+        after_earlier: bool = False,
     ) -> None:
         self.name = name
+        self.after_earlier = after_earlier
         self.policy = policy
         self._target = target
         self._kwargs = json.dumps(dict(kwargs))
@@ -183,13 +189,13 @@ class _ProcessChild(_Child):
                     sys.stderr.write(line.decode(errors="replace"))
         except TimeoutError:
             await self.stop()
-            raise BusError(
+            raise ChildDidNotStart(
                 f"child {self.name!r} did not report ready within {self._ready_timeout:g} s"
             ) from None
         if not line.startswith(b"READY"):
             code = await process.wait()
             reason = _failed(line)
-            raise BusError(
+            raise ChildDidNotStart(
                 f"child {self.name!r} exited with code {code} before it was ready"
                 + (f": {reason}" if reason else "")
             )
@@ -283,12 +289,15 @@ class Supervisor:
         ready_timeout: float = 30.0,
         stop_timeout: float = 5.0,
         restart_kwargs: Mapping[str, Any] | None = None,
+        after_earlier: bool = False,
     ) -> None:
         """An actor run in a child process: ``target`` is ``"module:function"``, called
         there as ``function(name, **kwargs)`` (kwargs must be JSON) and returning the
         actor (or an awaitable of it); a restart calls it with ``restart_kwargs`` over
-        ``kwargs`` (a restarted agent starts free). Pass secrets through ``env``, not
-        ``kwargs``: the command line is visible to every local user."""
+        ``kwargs`` (a restarted agent starts free). ``after_earlier``: it starts once the
+        children added before it are ready, not together with them (it talks to them as it
+        starts). Pass secrets through ``env``, not ``kwargs``: the command line is visible
+        to every local user."""
         if ":" not in target:
             raise ValueError(f"target must look like 'package.module:function', got {target!r}")
         self._add(
@@ -301,6 +310,7 @@ class Supervisor:
                 ready_timeout,
                 stop_timeout,
                 restart_kwargs,
+                after_earlier,
             )
         )
 
@@ -340,7 +350,7 @@ class Supervisor:
         started: list[_Child] = []
         batches: list[list[_Child]] = []
         for child in self._children.values():
-            together = isinstance(child, _ProcessChild) and batches
+            together = isinstance(child, _ProcessChild) and not child.after_earlier and batches
             if together and all(isinstance(c, _ProcessChild) for c in batches[-1]):
                 batches[-1].append(child)
             else:

@@ -30,17 +30,16 @@ from pivot.actors.assembly import (
     SCHEDULERS,
     TRAINER,
     Assembly,
-    Control,
     DriverOptions,
     agent_name,
     assemble,
     trainer_names,
 )
 from pivot.actors.checkpoints import Checkpoint
-from pivot.actors.controller import ControllerSettings, open_journal
+from pivot.actors.controller import ControllerSettings
 from pivot.actors.driver import Scores, StepReport
 from pivot.actors.monitor import Monitor
-from pivot.actors.processes import ProcessBackend
+from pivot.actors.processes import ControllerSpec, ProcessBackend
 from pivot.actors.sources import FunctionReward, GenRMJudge, PromptSource
 from pivot.actors.vocabulary import rl_messages
 from pivot.assets import ASSETS
@@ -49,7 +48,7 @@ from pivot.bus.codec import job_secret
 from pivot.bus.errors import SecretError
 from pivot.bus.sockets import make_socket_dir, remove_orphaned_socket_dirs
 from pivot.bus.statsfile import BusStatsFile, read_stats_dir, trouble
-from pivot.bus.supervisor import SupervisorEscalation
+from pivot.bus.supervisor import ChildDidNotStart, SupervisorEscalation
 from pivot.cli.inputs import EVAL_IDS, Inputs, read_inputs
 from pivot.cli.interrupts import Interrupted, signal_of
 from pivot.cli.live import LiveView
@@ -165,6 +164,18 @@ class Job:
         checkpoints = {Role.ROLLOUT: self.policy}
         if self.genrm is not None:
             checkpoints[Role.REWARD] = self.genrm
+        control = job.control
+        # the Controller runs in its own process, built from this
+        self.controller = ControllerSpec(
+            settings=ControllerSettings(
+                interval_s=control.interval_s,
+                command_timeout_s=control.command_timeout_s,
+                planner=control.planner,
+            ),
+            journal=str(run_dir / "shift.journal"),
+            roles={Role.ROLLOUT: RoleSpec(model="policy"), Role.REWARD: RoleSpec(model="genrm")},
+            cost_models={Role.ROLLOUT: TINY_CPU_COST, Role.REWARD: TINY_CPU_COST},
+        )
         self.backend = ProcessBackend(
             directory,
             checkpoints=checkpoints,
@@ -181,6 +192,7 @@ class Job:
             training=self.job.training,
             rendezvous_dir=self.sockets,
             resume=resume.trainer if resume is not None else None,
+            controller=self.controller,
         )
 
     def _names(self) -> list[str]:
@@ -260,7 +272,6 @@ class Job:
             controller=CONTROLLER if d.managed else None,
             interval=0.1,
         )
-        control = self.job.control
         sup = Supervisor(
             policy=RestartPolicy(max_restarts=2, window=60.0), stats_dir=run_dir / BUS_STATS
         )
@@ -288,20 +299,7 @@ class Job:
                 first_step=self.resume.state.next_step if self.resume else 0,
                 policy_version=self.resume.state.policy_version if self.resume else 0,
             ),
-            control=Control(
-                settings=ControllerSettings(
-                    interval_s=control.interval_s,
-                    command_timeout_s=control.command_timeout_s,
-                    planner=control.planner,
-                ),
-                journal=lambda: open_journal(run_dir / "shift.journal"),
-                roles={
-                    Role.ROLLOUT: RoleSpec(model="policy"),
-                    Role.REWARD: RoleSpec(model="genrm"),
-                },
-                cost_models={Role.ROLLOUT: TINY_CPU_COST, Role.REWARD: TINY_CPU_COST},
-                timer=time.perf_counter,
-            ),
+            control=self.controller.control(),
             watchers=[(MONITOR, lambda: monitor)],
         )
         driver = self.assembly.driver
@@ -672,6 +670,13 @@ def main(args: argparse.Namespace) -> int:
         )
         if (line := bus_trouble_line(run_dir)) is not None:
             console.print(line, style="yellow")
+        return 1
+    except ChildDidNotStart as exc:
+        console.print(
+            f"\nthe job did not start: {exc} (logs {run_dir / 'actors.log'})",
+            style="red",
+            soft_wrap=True,
+        )
         return 1
     finally:
         tracker.close()

@@ -403,9 +403,9 @@ def test_a_crash_while_a_checkpoint_is_written_leaves_the_one_before(fixed_run, 
 
 
 def test_killed_agents_come_back_free_and_the_run_gives_the_undisturbed_steps(fixed_run, tmp_path):
-    """kill -9 of agent-0 while it generates rollouts and of agent-1 while it judges them
-    (the test kit's fault: each SIGKILLs itself after a number of engine steps in that
-    role): the supervisor restarts
+    """kill -9 of agent-0 while it generates rollouts, of agent-1 while it judges them, and
+    of the Controller's process inside its first shift (the test kit's faults: each SIGKILLs
+    itself at a chosen point): the supervisor restarts
     them, the Controller takes their replicas out at once (their sequences run again
     elsewhere) and the planner wakes the restarted, free agents again. Every step is the
     undisturbed run's, every sample scored once."""
@@ -426,17 +426,21 @@ def test_killed_agents_come_back_free_and_the_run_gives_the_undisturbed_steps(fi
         timeout=300,
         env={
             **os.environ,
-            "PIVOT_FAULT": "kill-agent:agent-0:12:rollout,kill-agent:agent-1:8:reward",
+            "PIVOT_FAULT": "kill-agent:agent-0:12:rollout,kill-agent:agent-1:8:reward,kill-controller:6",
         },
     )
     assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
     run = Run(run_dir, None, done.stdout, done.stderr)  # type: ignore[arg-type]
     events = [e for e in run.log if e.get("actor") in ("supervisor", "controller")]
     restarted = {e["child"] for e in events if e.get("event") == "restarting child"}
-    assert restarted == {"agent-0", "agent-1"}
-    lost = [e for e in events if e.get("event") == "agent lost"]
-    assert {e["agent"] for e in lost} == {"agent-0", "agent-1"} and all(e["dead"] for e in lost)
-    assert {e["agent"] for e in events if e.get("event") == "agent joined"} == restarted
+    assert restarted == {"agent-0", "agent-1", "controller"}
+    # the Controller's process died before its 6th journal record, inside a shift; the
+    # restarted one finished that shift from the journal
+    assert [e["txn"] for e in events if e.get("event") == "recovering shift"] == [1]
+    lost = [e for e in events if e.get("event") == "agent lost" and e["dead"]]
+    assert {e["agent"] for e in lost} == {"agent-0", "agent-1"}
+    joined = {e["agent"] for e in events if e.get("event") == "agent joined"}
+    assert joined == {"agent-0", "agent-1"}
     taken = [e for e in events if e.get("event") == "replica of a dead agent taken out"]
     assert {(e["device"], e["replica"].split("@")[0]) for e in taken} == {
         (0, "rollout"),
