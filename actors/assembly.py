@@ -93,7 +93,7 @@ class AgentParts(NamedTuple):
 class ChildProcess(NamedTuple):
     """An actor in a supervised child process: ``target`` is ``"module:function"``, called
     there as ``function(name, **kwargs)`` (see ``Supervisor.add_process``); ``policy`` None:
-    the supervisor's."""
+    the supervisor's; ``group``: the unit it is restarted with (a trainer's ranks)."""
 
     target: str
     kwargs: dict[str, Any]
@@ -101,6 +101,7 @@ class ChildProcess(NamedTuple):
     ready_timeout: float
     policy: RestartPolicy | None = None
     stop_timeout: float = 5.0
+    group: str | None = None
 
     def add_to(self, supervisor: Supervisor, name: str) -> None:
         supervisor.add_process(
@@ -111,6 +112,7 @@ class ChildProcess(NamedTuple):
             policy=self.policy,
             ready_timeout=self.ready_timeout,
             stop_timeout=self.stop_timeout,
+            group=self.group,
         )
 
 

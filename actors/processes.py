@@ -5,7 +5,8 @@ host store; the trainer is a DeepSpeed group on gloo, one rank per trainer devic
 writing each new policy to that store.
 
     ProcessBackend(directory, *, checkpoints, store, router, max_running, threads, seed,
-                   training, rendezvous_dir, resume=None)
+                   training, rendezvous_dir, resume=None, checkpoint_dir=None,
+                   trainer_restart=None)
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from pivot.actors.assembly import AgentStart, ChildProcess
-from pivot.bus import Directory
+from pivot.bus import Directory, RestartPolicy
 from pivot.cluster import Role
 from pivot.deployment import Deployment
 from pivot.planning.routing import Router
@@ -32,7 +33,9 @@ class ProcessBackend:
     ``router``: a fresh router per scheduler start. ``seed``: the job's; each agent's engines
     sample from ``seed * 1000 + device``. ``rendezvous_dir``: where the trainer ranks meet.
     ``resume``: a checkpoint's trainer state to continue from (the rollout checkpoint is then
-    that checkpoint's policy folder).
+    that checkpoint's policy folder). ``checkpoint_dir``: the run's checkpoints, where a
+    restarted trainer group looks for the last complete one. ``trainer_restart``: the trainer
+    group's restart policy (None: a rank that dies stops the job).
     """
 
     def __init__(
@@ -48,6 +51,8 @@ class ProcessBackend:
         training: TrainingSettings,
         rendezvous_dir: Path,
         resume: Path | None = None,
+        checkpoint_dir: Path | None = None,
+        trainer_restart: RestartPolicy | None = None,
     ) -> None:
         self.directory = directory
         self.checkpoints = dict(checkpoints)
@@ -59,6 +64,8 @@ class ProcessBackend:
         self.training = training
         self.rendezvous_dir = rendezvous_dir
         self.resume = resume
+        self.checkpoint_dir = checkpoint_dir
+        self.trainer_restart = trainer_restart
 
     def router(self, role: Role) -> Router:
         return self._router(role)
@@ -99,4 +106,6 @@ class ProcessBackend:
             threads=self.threads,
             controller=controller,
             resume=self.resume,
+            checkpoints=self.checkpoint_dir,
+            policy=self.trainer_restart,
         )

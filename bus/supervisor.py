@@ -16,7 +16,9 @@ Process children added with the same ``group`` are supervised as one unit (the r
 a collective group, which cannot lose a member): when one exits, the others are stopped,
 and all of them start again together. The group has one restart count and one policy (its
 first member's); its events and its escalation carry the group's name, the failure names
-the member that died first.
+the member that died first. Each member is told which start of its group it is
+(``GROUP_START_ENV``, 0 the first), so what the members must meet at afresh each time (a
+rendezvous) can be named by it.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ from pivot.bus.errors import BusError
 from pivot.bus.logs import get_logger
 
 ActorFactory = Callable[[], Actor | Awaitable[Actor]]
+
+#: The environment variable that tells a group's member which start of the group it is.
+GROUP_START_ENV = "PIVOT_GROUP_START"
 
 #: Each stops everything as cleanly as the others: Ctrl-C, ``kill``, a closed terminal.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -148,6 +153,7 @@ class _ProcessChild(_Child):
         self._ready_timeout = ready_timeout
         self._stop_timeout = stop_timeout
         self.process: asyncio.subprocess.Process | None = None
+        self.start_env: dict[str, str] = {}  # set by its group before each start
 
     @property
     def pid(self) -> int | None:
@@ -156,6 +162,7 @@ class _ProcessChild(_Child):
     async def start(self) -> None:
         env = dict(os.environ)
         env.update(self._env or {})
+        env.update(self.start_env)
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "pivot.bus.child",
             "--name", self.name,
@@ -223,10 +230,14 @@ class _ProcessGroup(_Child):
         self.name = name
         self.policy = policy
         self.members: list[_ProcessChild] = []
+        self.starts = 0
 
     async def start(self) -> None:
         """Every member at once (they may wait for each other, as ranks at a rendezvous);
         one that fails stops the others at once, rather than leaving them waiting for it."""
+        for member in self.members:
+            member.start_env = {GROUP_START_ENV: str(self.starts)}
+        self.starts += 1
         starts = [asyncio.ensure_future(m.start()) for m in self.members]
         done, pending = await asyncio.wait(starts, return_when=asyncio.FIRST_EXCEPTION)
         failed = [t.exception() for t in starts if t in done and t.exception() is not None]
@@ -241,9 +252,13 @@ class _ProcessGroup(_Child):
         """When the first member exits, the others are stopped: None when every member exits
         cleanly by itself, else the first failure, named by its member."""
         waits = {asyncio.ensure_future(m.wait_exit()): m for m in self.members}
+        ended: list[asyncio.Future[str | None]] = []  # in the order the members' ends were seen
+        for task in waits:
+            task.add_done_callback(ended.append)
         try:
-            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            first = next(t for t in waits if t in done)
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.sleep(0)  # the done callbacks run
+            first = ended[0]
             failure = first.result()
             if failure is not None:
                 await self.stop()

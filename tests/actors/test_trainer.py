@@ -20,9 +20,9 @@ import torch
 
 from pivot.actors.assembly import trainer_names
 from pivot.actors.messages import Ack
-from pivot.actors.param_store import ParameterReader
+from pivot.actors.param_store import ParameterReader, remove_store
 from pivot.actors.shift_messages import TrainerPhaseChanged
-from pivot.actors.trainer import Trainer, TrainResult
+from pivot.actors.trainer import Trainer, TrainResult, restart_text
 from pivot.actors.trainer_deepspeed import add_trainer_group, fingerprint
 from pivot.actors.trainer_messages import (
     OffloadTrainer,
@@ -31,6 +31,7 @@ from pivot.actors.trainer_messages import (
     SimTrainBatch,
     TrainBatch,
     Trained,
+    TrainerRestart,
     TrainerState,
     TrainerStatus,
 )
@@ -39,6 +40,7 @@ from pivot.actors.vocabulary import rl_messages
 from pivot.bus import (
     Actor,
     Bus,
+    BusError,
     Directory,
     LocalTransport,
     RemoteError,
@@ -92,12 +94,23 @@ class Rig:
     """A trainer over a 1B-parameter policy on two simulated devices, a controller that
     records being asked for the pool, and a client."""
 
-    def __init__(self, clock: VirtualClock, *, controller: str | None, backend=SimTrainingBackend):  # noqa: ANN001
+    def __init__(
+        self,
+        clock: VirtualClock,
+        *,
+        controller: str | None,
+        backend=SimTrainingBackend,  # noqa: ANN001
+        restarted: TrainerRestart | None = None,
+    ):
         bus = Bus.local(rl_messages(), transport=LocalTransport(), clock=clock)
         self.clock = clock
         self.sim = SimTrainer(params_b=1.0, devices=2)
         self.trainer = Trainer(
-            "trainer", bus, backend=backend(self.sim, clock=clock), controller=controller
+            "trainer",
+            bus,
+            backend=backend(self.sim, clock=clock),
+            controller=controller,
+            restarted=restarted,
         )
         self.boss = FakeController("controller", bus)
         self.client = Actor("client", bus)
@@ -247,13 +260,43 @@ def test_a_bad_batch_is_an_error_reply_before_anything_runs() -> None:
     run_virtual(main)
 
 
-def test_a_backend_failure_fails_the_request_and_crashes_the_trainer() -> None:
+def test_a_failed_step_crashes_the_trainer_and_leaves_its_request_unanswered() -> None:
+    """No error reply: a transport that resends an unanswered request (nng's req socket, when
+    the trainer's process is gone) hands the batch to the trainer started next."""
+
     async def main(clock: VirtualClock) -> None:
         async with Rig(clock, controller="controller", backend=BrokenBackend) as rig:
-            with pytest.raises(RemoteError, match="rank 1 is gone"):
-                await rig.ask(BATCH)
+            step = asyncio.ensure_future(rig.ask(BATCH))
             with pytest.raises(RuntimeError, match="training backend command failed"):
                 await asyncio.wait_for(rig.trainer.wait(), 5)
+            with pytest.raises(BusError) as failed:
+                await step
+            assert not isinstance(failed.value, RemoteError), failed.value
+
+    run_virtual(main)
+
+
+def test_a_batch_for_another_version_is_refused_before_anything_runs() -> None:
+    async def main(clock: VirtualClock) -> None:
+        async with Rig(clock, controller=None) as rig:
+            with pytest.raises(
+                RemoteError, match="trains from policy version 3, the trainer holds version 0"
+            ):
+                await rig.ask(TrainBatch(samples=[], step=2, version=3))
+            assert rig.published() == [] and clock.now() == 0.0
+
+    run_virtual(main)
+
+
+def test_a_restarted_trainer_says_how_it_came_back_in_its_next_reply() -> None:
+    restart = TrainerRestart(source="gps", version=0, checkpoint=None, exact=False)
+
+    async def main(clock: VirtualClock) -> None:
+        async with Rig(clock, controller=None, restarted=restart) as rig:
+            first = await rig.ask(BATCH, expect=Trained)
+            second = await rig.ask(BATCH, expect=Trained)
+            assert (first.restart, second.restart) == (restart, None)
+        assert "optimizer moments reset" in restart_text(restart)
 
     run_virtual(main)
 
@@ -398,6 +441,7 @@ async def group(tmp_path_factory: pytest.TempPathFactory, request: pytest.Fixtur
         await probe.stop()
         await bus.close()
         await supervisor.stop()
+        remove_store(store)  # the job's: it outlives the ranks
 
 
 @ON_GROUP
