@@ -20,7 +20,7 @@ import torch
 
 from pivot.actors.assembly import trainer_names
 from pivot.actors.messages import Ack
-from pivot.actors.param_store import ParameterReader, remove_store
+from pivot.actors.param_store import ParameterReader, ParameterStore, remove_store
 from pivot.actors.shift_messages import TrainerPhaseChanged
 from pivot.actors.trainer import Trainer, TrainResult, restart_text
 from pivot.actors.trainer_deepspeed import add_trainer_group, fingerprint
@@ -635,3 +635,57 @@ async def test_stopping_the_supervisor_ends_every_rank(group: Group) -> None:
             os.kill(pid, 0)
     events = [(e.child, e.event) for e in group.supervisor.events]
     assert not [e for e in events if e[1] in ("crashed", "escalated")], events
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_group_with_no_checkpoint_of_the_published_version_starts_from_gps(tmp_path):
+    """A trainer group restarted where no checkpoint holds the version GPS published last (one
+    rank here; the job's store holds version 3, weights unlike the checkpoint's): it takes
+    those weights as they are, at version 3, with a fresh optimizer and the learning rate of
+    step 3, publishes nothing again, and its next step is version 4."""
+    from pivot.grpo import warmup_factor
+
+    checkpoint = make_checkpoint(tmp_path / "tiny")
+    weights = {n: t * 0.5 for n, t in load_model(checkpoint).state_dict().items()}
+    store = f"pivot-test-trainer-{uuid.uuid4().hex[:8]}"
+    seeded = ParameterStore(store, adopt=True)
+    seeded.write(weights, version=3)
+    seeded.close()  # what a rank 0 that died leaves
+    settings = msgspec.structs.replace(SETTINGS, warmup_steps=10)
+    directory = Directory.ipc(tmp_path, ["trainer", "probe"])
+    supervisor = Supervisor()
+    add_trainer_group(
+        supervisor,
+        "trainer",
+        directory=directory,
+        checkpoint=checkpoint,
+        world_size=1,
+        run_dir=tmp_path,
+        store_name=store,
+        settings=settings,
+        checkpoints=tmp_path / "checkpoints",  # none complete
+    )
+    bus = Bus.nng(directory, rl_messages())
+    probe = Actor("probe", bus)
+    try:
+        await supervisor.start()
+        await probe.start()
+        status = await probe.request(
+            "trainer", QueryTrainer(fingerprints=True), expect=TrainerStatus, timeout=TIMEOUT
+        )
+        assert status.version == 3 and status.fingerprints == [fingerprint(weights)]
+        with ParameterReader(store) as reader:
+            assert reader.published_version() == 3  # not published again
+        trained = await probe.request(
+            "trainer",
+            TrainBatch(samples=make_samples(checkpoint), step=3, version=3),
+            expect=Trained,
+            timeout=TIMEOUT,
+        )
+        assert trained.stats.version == trained.gps_version == 4
+        assert trained.stats.lr == pytest.approx(settings.lr * warmup_factor(3, 10))
+    finally:
+        await probe.stop()
+        await bus.close()
+        await supervisor.stop()
+        remove_store(store)
