@@ -232,6 +232,7 @@ class RoleAgent(Actor):
                 agent=self.name,
                 role=self.role.value,
                 max_running=self.engine.stats().max_running,
+                held=sorted(self._held),
             ),
             timeout=self.report_timeout,
         )
@@ -739,6 +740,8 @@ def torch_agent(
         seed=seed,
         clock=time.perf_counter,
     )
+    from pivot.actors.faults import agent_stepping
+
     bus = Bus.nng(Directory.from_dict(directory), rl_messages(), secret=job_secret())
     return RoleAgent(
         name,
@@ -750,4 +753,5 @@ def torch_agent(
         weights=weights,
         device=device,
         devices=devices,
+        stepping=agent_stepping(name),  # the test kit's fault, if one is planned for it
     )

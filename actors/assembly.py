@@ -21,6 +21,7 @@ and their settings, never a flag inside an actor.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
@@ -32,12 +33,19 @@ from pivot.actors.checkpoints import Checkpoints
 from pivot.actors.controller import Controller, ControllerSettings
 from pivot.actors.driver import Driver, StepReport
 from pivot.actors.journal import Journal
+from pivot.actors.messages import Ack
 from pivot.actors.scheduler import Scheduler
-from pivot.actors.shift_messages import AllocationReport, QueryAllocation, TrainerPhaseChanged
+from pivot.actors.shift_messages import (
+    AgentJoined,
+    AgentLost,
+    AllocationReport,
+    QueryAllocation,
+    TrainerPhaseChanged,
+)
 from pivot.actors.sources import Source
 from pivot.actors.trainer import Trainer, TrainingBackend
-from pivot.bus import Actor, Bus, Clock, RestartPolicy, Supervisor
-from pivot.bus.supervisor import ActorFactory
+from pivot.bus import Actor, Bus, BusError, Clock, RestartPolicy, Supervisor
+from pivot.bus.supervisor import ActorFactory, SupervisorEvent
 from pivot.cluster import Role, RoleSpec
 from pivot.deployment import Deployment
 from pivot.engines.protocol import InferenceEngine
@@ -103,7 +111,9 @@ class ChildProcess(NamedTuple):
     stop_timeout: float = 5.0
     group: str | None = None
 
-    def add_to(self, supervisor: Supervisor, name: str) -> None:
+    def add_to(
+        self, supervisor: Supervisor, name: str, *, restart_kwargs: dict[str, Any] | None = None
+    ) -> None:
         supervisor.add_process(
             name,
             self.target,
@@ -112,6 +122,7 @@ class ChildProcess(NamedTuple):
             policy=self.policy,
             ready_timeout=self.ready_timeout,
             stop_timeout=self.stop_timeout,
+            restart_kwargs=restart_kwargs,
             group=self.group,
         )
 
@@ -237,11 +248,18 @@ def assemble(
     if deployment.managed and control is None:
         raise ValueError(f"a {deployment.kind.value} deployment needs its Controller's settings")
     schedulers = {r: SCHEDULERS[r] for r in deployment.roles}
+    # whom a scheduler tells about an agent it cannot reach
+    watcher = CONTROLLER if control is not None and deployment.managed else None
     for role, name in schedulers.items():
         supervisor.add_actor(
             name,
             lambda role=role, name=name: Scheduler(
-                name, bus, role=role, router=backend.router(role), downstream=DRIVER
+                name,
+                bus,
+                role=role,
+                router=backend.router(role),
+                downstream=DRIVER,
+                controller=watcher,
             ),
             policy=ONCE,
         )
@@ -273,6 +291,7 @@ def assemble(
                 scheduler=schedulers.get(role),
                 engine_roles=deployment.engine_roles(device),
             ),
+            managed=device < deployment.managed,
         )
     the_driver = Driver(
         DRIVER,
@@ -308,28 +327,44 @@ def assemble(
             lambda: _controller(deployment, bus, control, the_driver, driver),
             policy=control.restart,
         )
+        managed = {agent_name(d) for d in range(deployment.managed)}
+        supervisor.listen(_AgentWatch(the_driver, managed))
     for name, factory in watchers:
         supervisor.add_actor(name, factory, policy=ONCE)
     supervisor.add_actor(DRIVER, lambda: the_driver, policy=ONCE)
     return assembly
 
 
-def _add_agent(supervisor: Supervisor, bus: Bus, backend: Backend, start: AgentStart) -> None:
+def _add_agent(
+    supervisor: Supervisor, bus: Bus, backend: Backend, start: AgentStart, *, managed: bool
+) -> None:
+    """A restarted agent of a device the Controller manages starts free: the Controller
+    reconciles and the planner gives it a role. Any other restarts in its launch role and
+    registers again; its scheduler requeues what the dead one ran."""
+    again = start
+    if managed:
+        again = msgspec.structs.replace(
+            start, role=Role.FREE, replica=None, devices=(), scheduler=None
+        )
     made = backend.agent(start)
     if isinstance(made, ChildProcess):
-        made.add_to(supervisor, start.name)
+        remade = backend.agent(again)
+        assert isinstance(remade, ChildProcess)
+        made.add_to(supervisor, start.name, restart_kwargs=remade.kwargs)
         return
+    starts = itertools.count()
 
     def agent() -> RoleAgent:
+        now = start if next(starts) == 0 else again
         parts = made()  # fresh engines at every start
         return RoleAgent(
-            start.name,
+            now.name,
             bus,
-            role=start.role.value,
-            scheduler=start.scheduler,
-            replica=start.replica,
-            devices=start.devices or None,
-            device=start.device,
+            role=now.role.value,
+            scheduler=now.scheduler,
+            replica=now.replica,
+            devices=now.devices or None,
+            device=now.device,
             engines=parts.engines,
             weights=parts.weights,
             models=parts.models,
@@ -371,6 +406,39 @@ def _controller(
         trainer=TRAINER if deployment.lends_trainer else None,
         settings=control.settings,
     )
+
+
+class _AgentWatch:
+    """Tells the Controller what the supervisor saw of its agents: a crash (the process is
+    gone: ``AgentLost(dead=True)``) and the start after it (``AgentJoined``). Sent as the
+    driver, the actor of the supervisor's process that lives as long as the job."""
+
+    def __init__(self, driver: Driver, agents: set[str]) -> None:
+        self.driver = driver
+        self.agents = agents
+        self._down: set[str] = set()
+
+    def __call__(self, event: SupervisorEvent) -> None:
+        if event.child not in self.agents or not self.driver.running:
+            return
+        message: AgentLost | AgentJoined
+        if event.event == "crashed":
+            self._down.add(event.child)
+            message = AgentLost(agent=event.child, cause=event.detail, dead=True)
+        elif event.event == "started" and event.child in self._down:
+            self._down.discard(event.child)
+            message = AgentJoined(agent=event.child)
+        else:
+            return
+        self.driver.spawn(self._tell(message), name=f"tell-controller:{event.child}")
+
+    async def _tell(self, message: AgentLost | AgentJoined) -> None:
+        try:
+            await self.driver.request(CONTROLLER, message, expect=Ack, timeout=10.0)
+        except BusError as exc:  # a Controller that is down reconciles when it recovers
+            self.driver.log.warning(
+                "could not tell the controller", message=type(message).__name__, error=repr(exc)
+            )
 
 
 async def _controller_ready(driver: Driver) -> None:

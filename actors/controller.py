@@ -55,11 +55,15 @@ from pivot.actors.journal import Journal
 from pivot.actors.messages import Ack, ReplicaLoad
 from pivot.actors.shift_messages import (
     Acquire,
+    AgentJoined,
+    AgentLost,
     AgentState,
     AllocationChanged,
     AllocationReport,
     CutRouting,
     Describe,
+    Evacuate,
+    Evacuated,
     MigrateSequences,
     QueryAllocation,
     QueryLoad,
@@ -172,6 +176,15 @@ class Controller(Actor):
         self._kick = asyncio.Event()
         self._trainer_ready = False
         self._loads = None
+        self._device_of = {name: device for device, name in self.agents.items()}
+        # device -> cause: agents whose process died and that are not back yet; agents a
+        # request to failed (asked at the next tick); a restarted agent came back
+        self._lost: dict[int, str] = {}
+        self._suspects: dict[int, str] = {}
+        self._rejoined = False
+        self._repairing = asyncio.Lock()
+        self._retiring: set[str] = set()  # replicas taken out, freed once no shift is in flight
+        self._unconfirmed: set[int] = set()  # lost devices whose process was not seen to die
 
     # --- requests served ------------------------------------------------------------------
 
@@ -193,6 +206,41 @@ class Controller(Actor):
         self._trainer_ready = phase is TrainerPhase.READY
         self._kick.set()
         return Ack()
+
+    @handles
+    def agent_lost(self, msg: AgentLost) -> Ack:
+        device = self._device(msg.agent)
+        self.log.warning("agent lost", agent=msg.agent, cause=msg.cause, dead=msg.dead)
+        if msg.dead:
+            # its sequences go back to the queue now, not after the shift in flight
+            self._lost[device] = msg.cause
+            self._unconfirmed.discard(device)
+            self.spawn(self._take_out(device), name=f"take-out:{msg.agent}")
+        else:
+            self._suspects.setdefault(device, msg.cause)
+            self._kick.set()
+        return Ack()
+
+    @handles
+    def agent_joined(self, msg: AgentJoined) -> Ack:
+        device = self._device(msg.agent)
+        self.log.info("agent joined", agent=msg.agent)
+        self._lost.pop(device, None)
+        self._unconfirmed.discard(device)
+        self._rejoined = True
+        self._kick.set()
+        return Ack()
+
+    def _device(self, agent: str) -> int:
+        device = self._device_of.get(agent)
+        if device is None:
+            raise ValueError(f"{agent!r} is not an agent of this Controller")
+        return device
+
+    @property
+    def lost_devices(self) -> dict[int, str]:
+        """Devices whose agent died and has not come back (device -> cause)."""
+        return dict(self._lost)
 
     def trainer_phase(self, status: TrainerStatus) -> TrainerPhase:
         """The planner's view of the trainer: training only while it holds its pool; ready
@@ -222,6 +270,7 @@ class Controller(Actor):
                 async with asyncio.timeout(self.settings.interval_s):
                     await self._kick.wait()
             self._kick.clear()
+            await self.repair()
             await self.plan_once()
 
     async def plan_once(self) -> Decision | None:
@@ -364,6 +413,8 @@ class Controller(Actor):
                 self.planner.record_shift_time(seconds)
             self.shifts_done += 1
         self.shift = None
+        if not recovering:
+            self._free_retired()  # published with the allocation below
         self.log.info(
             "shift finished", txn=txn.txn, outcome=txn.phase.value, seconds=round(seconds, 3)
         )
@@ -447,6 +498,112 @@ class Controller(Actor):
             self.log.warning("shift command failed", command=repr(command), error=repr(exc))
             return False
         return True
+
+    # --- agents that die and come back -------------------------------------------------------
+
+    async def _take_out(self, device: int) -> None:
+        """The agent of ``device`` is dead: its replica's scheduler requeues what it ran
+        (forced: nobody is there to hand back partial output), the replica's other devices
+        are released, and the allocation frees its devices. A dead trainer-pool agent only
+        recorded the role: the trainer keeps its pool, and recovery of the restarted agent
+        gives it the role back."""
+        async with self._repairing:
+            if not self.recovered.is_set():
+                return  # recovery describes every agent anyway
+            replica = next(
+                (r for r in self.allocation.replicas.values() if device in r.devices), None
+            )
+            if replica is None or replica.role not in INFERENCE_ROLES:
+                return
+            await self._run_stage(
+                [EvacuateReplica(replica.role, replica.id, force=True)], must=False
+            )
+            others = [ReleaseDevice(d, replica.id) for d in replica.devices if d != device]
+            if others:
+                await self._run_stage(others, must=False)
+            self._retiring.add(replica.id)
+            if self.shift is None:  # else the shift's end retires it
+                await self._retire()
+            self.log.warning("replica of a dead agent taken out", replica=replica.id, device=device)
+
+    async def _retire(self) -> None:
+        if self._free_retired():
+            await self.publish(
+                SHIFT_TOPIC,
+                AllocationChanged(replicas=self._replica_moves(), at=self.clock.now()),
+            )
+
+    def _free_retired(self) -> bool:
+        """Free the devices of the replicas taken out in the allocation; True if any."""
+        gone = [self.allocation.replicas.get(r) for r in sorted(self._retiring)]
+        self._retiring.clear()
+        moves = [Move("evict", r.id, r.role, r.devices) for r in gone if r is not None]
+        if moves:
+            self.allocation = self.allocation.apply(moves)
+        for move in moves:
+            self._woken_at.pop(move.replica_id, None)
+            self._itl.pop(move.replica_id, None)
+        return bool(moves)
+
+    @property
+    def settled(self) -> bool:
+        """No shift in flight and no dead agent's replica being taken out: the allocation is
+        what the agents hold (the invariant checker's moment)."""
+        return self.shift is None and not self._repairing.locked() and not self._retiring
+
+    async def repair(self) -> None:
+        """At a tick with no shift in flight: ask the agents requests to failed whether they
+        are there (one that is not is taken out like a dead one), and once an agent came
+        back, reconcile the whole allocation, so the planner sees the restarted agent free."""
+        if self.shift is not None or not (self._suspects or self._rejoined or self._unconfirmed):
+            return
+        suspects, self._suspects = self._suspects, {}
+        timeout = self.settings.command_timeout_s
+        # (no lock held meanwhile: the supervisor's word that one is dead must not wait)
+        for device, cause in sorted(suspects.items()):
+            if device in self._lost:
+                continue  # dead for sure: taken out already
+            state = await self._ask(self.agents[device], Describe(), AgentState, timeout)
+            self._rejoined = True  # reachable or not: read what everyone holds now
+            if state is None and device not in self._lost:
+                self.log.warning("agent unreachable", device=device, cause=cause)
+                self._lost[device] = cause
+                self._unconfirmed.add(device)
+                await self._take_out(device)
+        for device in sorted(self._unconfirmed):
+            await self._back_from_silence(device)
+        if not self._rejoined or self._lost:
+            return  # an agent still down would only time out its Describe
+        async with self._repairing:
+            self._rejoined = False
+            before = self.allocation
+            self.allocation = await self._read_allocation(fix=True)
+            if self.allocation.replicas != before.replicas:
+                await self.publish(
+                    SHIFT_TOPIC,
+                    AllocationChanged(replicas=self._replica_moves(), at=self.clock.now()),
+                )
+
+    async def _back_from_silence(self, device: int) -> None:
+        """An agent taken out because it did not answer (its process did not die) may answer
+        again: what it still runs was requeued and runs elsewhere, so it drops that (Evacuate,
+        its output discarded) and its replica, and is free again."""
+        agent = self.agents[device]
+        state = await self._ask(
+            agent, Describe(), AgentState, min(1.0, self.settings.command_timeout_s)
+        )
+        if state is None:
+            return
+        self.log.info("silent agent answers again", agent=agent)
+        if state.replica is not None and state.role in INFERENCE_ROLES:
+            await self._ask(
+                agent, Evacuate(replica=state.replica), Evacuated, self.settings.command_timeout_s
+            )
+        if state.replica is not None and state.role is not Role.TRAINING:
+            await self._run_stage([ReleaseDevice(device, state.replica)], must=False)
+        self._unconfirmed.discard(device)
+        self._lost.pop(device, None)
+        self._rejoined = True
 
     # --- recovery ---------------------------------------------------------------------------
 

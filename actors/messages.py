@@ -93,12 +93,15 @@ class SchedulerStatus(RLMessage, kw_only=True):
 
 
 class RegisterReplica(RLMessage, kw_only=True):
-    """An agent offers a replica of ``role`` to the role's scheduler."""
+    """An agent offers a replica of ``role`` to the role's scheduler. ``held``: the sequences
+    it holds for the replica now; a sequence the scheduler placed there that it does not hold
+    was lost with an earlier process of the agent and goes back to the queue."""
 
     replica: str
     agent: str
     role: str
     max_running: int
+    held: list[int] = []
     protocol: int = PROTOCOL_VERSION
 
 

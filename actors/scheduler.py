@@ -49,6 +49,7 @@ from pivot.actors.messages import (
     copy_ids,
 )
 from pivot.actors.shift_messages import (
+    AgentLost,
     CutRouting,
     Evacuate,
     Evacuated,
@@ -60,7 +61,7 @@ from pivot.actors.shift_messages import (
     RestoreRouting,
     RoleLoadReport,
 )
-from pivot.bus import Actor, Bus, BusError, handles
+from pivot.bus import Actor, Bus, BusError, Ping, Pong, handles
 from pivot.cluster import Role
 from pivot.planning.queue import Owner, Sequence, SequenceLedger
 from pivot.planning.routing import RoleScheduler, Router
@@ -123,18 +124,25 @@ class Scheduler(Actor):
         downstream: str,
         ledger: SequenceLedger | None = None,
         request_timeout: float = 30.0,
+        controller: str | None = None,
     ) -> None:
         super().__init__(name, bus)
         self.role = role
         self.downstream = downstream
         self.request_timeout = request_timeout
+        self.controller = controller
         self._router = _CutRouter(router)
         self.core = RoleScheduler(role, self._router, ledger or SequenceLedger())
         self._rows: dict[str, ReplicaRunning] = {}  # QueryLoad's row per replica, as last built
         self._work: dict[int, Work] = {}
         self._agents: dict[str, str] = {}  # replica -> agent actor
         self._cut: set[str] = set()
+        # replicas an Assign failed to reach: routing skips them until their agent answers a
+        # Ping or registers again (the Controller's cut is separate: it restores its own)
+        self._suspect: dict[str, asyncio.Task[None]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        # Assigns in flight per replica: their task and the sequences they carry
+        self._assigning: defaultdict[str, dict[asyncio.Task[None], set[int]]] = defaultdict(dict)
         # replica -> incarnation: an Assign placed on an earlier one (before a removal and a
         # registration under the same id) must not reach the new one
         self._incarnations: dict[str, int] = {}
@@ -158,8 +166,9 @@ class Scheduler(Actor):
 
     def _update_cut(self) -> None:
         self._cut &= set(self._agents)
-        if self._cut:
-            self._router.mask = np.array([r in self._cut for r in self.core.replicas])
+        skipped = self._cut.union(self._suspect)
+        if skipped:
+            self._router.mask = np.array([r in skipped for r in self.core.replicas])
         else:
             self._router.mask = None
 
@@ -174,12 +183,30 @@ class Scheduler(Actor):
             self.core.add_replica(msg.replica)
             self._added += 1
             self._incarnations[msg.replica] = self._added
+        else:
+            self._requeue_lost(msg.replica, set(msg.held))
+        self._trust(msg.replica)
         self._agents[msg.replica] = msg.agent
         self.core.changed.add(msg.replica)  # its row names the agent
         self._update_cut()
         self.log.info("replica registered", replica=msg.replica, agent=msg.agent)
         self._kick.set()
         return Ack()
+
+    def _requeue_lost(self, replica: str, held: set[int]) -> None:
+        """A replica registered again (its agent restarted in place): what the scheduler
+        placed there that the agent does not hold goes back to the queue's front, with the
+        partial output its Work kept."""
+        # an Assign still on its way may reach the new process: it is not lost (if it fails,
+        # the sender puts its sequences back)
+        on_the_way = set().union(*self._assigning.get(replica, {}).values())
+        lost = [s.id for s in self.core.running_on(replica) if s.id not in held | on_the_way]
+        if lost:
+            kept = {i: len(self._work[i].generated_ids) for i in lost}
+            self.core.abort(replica, lost, kept)
+            self.log.warning(
+                "requeued what a restarted agent lost", replica=replica, sequences=len(lost)
+            )
 
     @handles
     def cut_routing(self, msg: CutRouting) -> Ack:
@@ -204,6 +231,11 @@ class Scheduler(Actor):
             return ReplicaRemoved(replica=replica, known=False)
         self._cut.add(replica)
         self._update_cut()
+        if msg.force:
+            # an Assign to a dead agent would hold the lock until it timed out; what it
+            # carried is requeued with the rest below
+            for task in self._assigning.get(replica, ()):
+                task.cancel()
         async with self._lock(replica):
             agent = self._agents.get(replica)
             if agent is None:  # a concurrent removal finished first
@@ -227,6 +259,7 @@ class Scheduler(Actor):
             del self._agents[replica]
             del self._incarnations[replica]
             self._locks.pop(replica, None)
+            self._trust(replica)
             self._update_cut()
         self.log.info(
             "replica removed", replica=replica, requeued=len(requeued), completed=len(done)
@@ -419,9 +452,70 @@ class Scheduler(Actor):
                     # back to the queue's front: the sequences stay owned, nothing is lost
                     self.core.abort(replica, [i for i in sent if i in running])
                 self.log.warning("assign failed", replica=replica, error=repr(error))
+                if replica in self._agents:
+                    self._suspect_replica(replica, repr(error))
                 self._kick.set()
 
+    # probes of a replica whose agent did not answer: then every 0.5, 1, 2, 4, 8, 8... s
+    PROBE_BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0)
+    PROBES = 30  # ~3.5 min; after that the replica waits for its agent to register again
+
+    def _suspect_replica(self, replica: str, cause: str) -> None:
+        if replica in self._suspect:
+            return
+        self._suspect[replica] = self.spawn(self._probe(replica, cause), name=f"probe:{replica}")
+        self._update_cut()
+
+    def _trust(self, replica: str) -> None:
+        probe = self._suspect.pop(replica, None)
+        if probe is not None and probe is not asyncio.current_task():
+            probe.cancel()
+
+    async def _probe(self, replica: str, cause: str) -> None:
+        """Until the replica's agent answers a Ping, route nothing to it; tell the Controller,
+        which takes a dead agent's replica out (its sequences come back to the queue)."""
+        agent = self._agents[replica]
+        if self.controller is not None:
+            try:
+                await self.request(
+                    self.controller,
+                    AgentLost(agent=agent, cause=cause),
+                    timeout=self.request_timeout,
+                )
+            except BusError as exc:
+                self.log.warning("could not tell the controller", error=repr(exc))
+        for attempt in range(self.PROBES):
+            await self.clock.sleep(
+                self.PROBE_BACKOFF_S[min(attempt, len(self.PROBE_BACKOFF_S) - 1)]
+            )
+            if self._agents.get(replica) != agent:
+                return  # removed or registered again meanwhile
+            try:
+                await self.request(agent, Ping(), expect=Pong, timeout=self.request_timeout)
+            except BusError:
+                continue
+            self.log.info("replica answers again", replica=replica)
+            self._trust(replica)
+            self._update_cut()
+            self._kick.set()
+            return
+        self.log.error(
+            "replica unreachable; no routing to it until its agent registers again",
+            replica=replica,
+            probes=self.PROBES,
+        )
+
     async def _assign(self, replica: str, works: list[Work], incarnation: int) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        assigning = self._assigning[replica]
+        assigning[task] = {w.seq_id for w in works}
+        try:
+            await self._assign_now(replica, works, incarnation)
+        finally:
+            del assigning[task]
+
+    async def _assign_now(self, replica: str, works: list[Work], incarnation: int) -> None:
         async with self._lock(replica):
             if self._incarnations.get(replica) != incarnation:
                 return  # removed meanwhile: the removal took these sequences back

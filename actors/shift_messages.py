@@ -12,7 +12,8 @@ group"), so a Controller that restarts may send it again:
                Describe, Release, Acquire, Register -> AgentState
     trainer:   OffloadTrainer (lend the pool), ReloadTrainer (reclaim it), QueryTrainer
                -> TrainerStatus, all from ``pivot.actors.trainer_messages``
-    controller: TrainerPhaseChanged -> Ack;  QueryAllocation -> AllocationReport
+    controller: TrainerPhaseChanged, AgentLost, AgentJoined -> Ack;
+                QueryAllocation -> AllocationReport
 
 Published on the Controller's ``shift`` topic, for monitors (lossy): ShiftStarted,
 ShiftFinished, AllocationChanged.
@@ -158,6 +159,26 @@ class TrainerPhaseChanged(RLMessage, kw_only=True):
     withdraw that. The Controller plans at once instead of at its next tick."""
 
     phase: str  # pivot.planning.snapshot.TrainerPhase
+
+
+# -- the job's supervision -> controller
+
+
+class AgentLost(RLMessage, kw_only=True):
+    """The agent ``agent`` is gone: its process died (``dead``, from the supervisor), or a
+    request to it failed (from a scheduler: it may only be slow). The Controller takes a dead
+    agent's replicas out of their schedulers at once (their sequences go back to the queue)
+    and reconciles; a suspected one is asked first."""
+
+    agent: str
+    cause: str
+    dead: bool = False
+
+
+class AgentJoined(RLMessage, kw_only=True):
+    """A restarted agent is up (free): the Controller reconciles and the planner may use it."""
+
+    agent: str
 
 
 # -- controller: queries and events

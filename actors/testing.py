@@ -179,7 +179,10 @@ class InvariantChecker:
     def check(self) -> None:
         self.checks += 1
         a = self.assembly
-        agents = a.agents
+        # an agent that crashed and is not restarted yet, or that went silent and was taken
+        # out: the Controller has given up on what it holds
+        lost = set(a.controller.lost_devices) if a.controller is not None else set()
+        agents = {d: agent for d, agent in a.agents.items() if agent.running and d not in lost}
         schedulers = a.schedulers
         for role, scheduler in schedulers.items():
             check_ownership(scheduler.core.ledger, scheduler.core)
@@ -253,11 +256,13 @@ class _CheckedPolicy:
         check: Callable[[], None],
         allocation: Callable[[], Allocation | None],
         every_tick: bool,
+        settled: Callable[[], bool],
     ) -> None:
         self.inner = inner
         self.check = check
         self.allocation = allocation
         self.every_tick = every_tick
+        self.settled = settled
         self._checked: Allocation | None = None
 
     def record_shift_time(self, seconds: float) -> None:
@@ -268,7 +273,7 @@ class _CheckedPolicy:
 
     def decide(self, snapshot: ClusterSnapshot) -> Decision:
         current = self.allocation()
-        if not snapshot.shift_in_flight and (self.every_tick or current is not self._checked):
+        if self.settled() and (self.every_tick or current is not self._checked):
             self.check()
             self._checked = current
         return self.inner.decide(snapshot)
@@ -307,8 +312,15 @@ class LocalCluster:
             clock=clock,
         )
         self.transport.decode = self.bus.codec.decode_request
-        # an actor that crashes stops the run (the Controller may restart, per its policy)
-        self.supervisor = Supervisor(clock=clock, policy=RestartPolicy(restart="never"))
+        # agents restart (the supervisor's policy: ``restart_after_s`` after a crash); any
+        # other actor that crashes stops the run (the Controller may restart, per its policy)
+        restart_s = faults.restart_after_s if faults is not None else 5.0
+        self.supervisor = Supervisor(
+            clock=clock,
+            policy=RestartPolicy(
+                max_restarts=1_000, backoff=restart_s, backoff_factor=1.0, backoff_max=restart_s
+            ),
+        )
         self.journals: list[Journal] = []
         driver = driver or DriverOptions()
         user_step = driver.on_step
@@ -316,8 +328,7 @@ class LocalCluster:
         def on_step(report: StepReport) -> None:
             if user_step is not None:
                 user_step(report)
-            controller = self.assembly.controller
-            if controller is None or controller.shift is None:
+            if self.settled:
                 self.check()
 
         if control is not None:
@@ -348,6 +359,12 @@ class LocalCluster:
     def check(self) -> None:
         self.checker.check()
 
+    @property
+    def settled(self) -> bool:
+        """No shift in flight and no dead agent being taken out: when the invariants hold."""
+        controller = self.assembly.controller
+        return controller is None or controller.settled
+
     def _checked_control(
         self, control: Control, faults: FaultPlan | None, *, every_tick: bool
     ) -> Control:
@@ -364,7 +381,9 @@ class LocalCluster:
 
         def wrap(policy: ShiftPolicy) -> ShiftPolicy:
             inner = control.wrap_policy(policy) if control.wrap_policy is not None else policy
-            return _CheckedPolicy(inner, self.check, self._allocation, every_tick)
+            return _CheckedPolicy(
+                inner, self.check, self._allocation, every_tick, lambda: self.settled
+            )
 
         restart = control.restart
         crashes = faults is not None and (
@@ -416,8 +435,7 @@ class LocalCluster:
                 failed.result()  # raises the escalation: an actor crashed
                 raise InvariantViolation("every actor stopped before the Driver's last step")
             failed.cancel()
-            controller = self.assembly.controller
-            if controller is None or controller.shift is None:
+            if self.settled:
                 self.check()
             if at_end is not None:
                 at_end()

@@ -52,7 +52,6 @@ import importlib
 import logging
 import os
 import shutil
-import signal
 import sys
 import threading
 import time
@@ -66,12 +65,13 @@ import torch
 
 from pivot.actors.assembly import ChildProcess, trainer_names
 from pivot.actors.checkpoints import Checkpoints, TrainerStart, read_checkpoint, trainer_start
+from pivot.actors.faults import first_start, trainer_fault
 from pivot.actors.trainer import Trainer, TrainerOffloaded, TrainResult
 from pivot.actors.trainer_messages import SimTrainBatch, TrainBatch, TrainerRestart
 from pivot.actors.vocabulary import rl_messages
 from pivot.bus import Actor, Bus, Directory, RestartPolicy, Supervisor
 from pivot.bus.codec import job_secret
-from pivot.bus.supervisor import GROUP_START_ENV
+from pivot.bus.supervisor import START_ENV
 from pivot.config import convert
 from pivot.engines.hf_engine import causal_lm_class
 from pivot.grpo import (
@@ -102,36 +102,7 @@ TOKENIZER_FILES = (
     "added_tokens.json",
 )
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
-#: The test kit's fault, ``POINT:VERSION[:RANK]``: rank RANK (0 by default) of the group's first
-#: start dies at POINT of the step that makes policy version VERSION. ``crash-in-checkpoint``:
-#: it exits 70 with the checkpoint's policy written and the rest not; ``crash-in-step``: it
-#: kills itself with SIGKILL (as ``kill -9`` would) between the step's backward and its update.
-FAULT_ENV = "PIVOT_FAULT"
-_FAULT_POINTS = ("crash-in-checkpoint", "crash-in-step")
 _START_KEY = "pivot-trainer-start"  # where rank 0 leaves its choice in the rendezvous store
-
-
-@functools.cache
-def _planned_fault() -> tuple[str, int, int] | None:
-    """``FAULT_ENV`` read once; None in a restarted group (a fault strikes once per job)."""
-    text = os.environ.get(FAULT_ENV, "")
-    if not text or os.environ.get(GROUP_START_ENV, "0") != "0":
-        return None
-    point, _, rest = text.partition(":")
-    version, _, rank = rest.partition(":")
-    if point not in _FAULT_POINTS or not version.isdigit() or not (rank or "0").isdigit():
-        raise ValueError(
-            f"{FAULT_ENV}={text!r}: expected POINT:VERSION[:RANK], POINT one of {_FAULT_POINTS}"
-        )
-    return point, int(version), int(rank or 0)
-
-
-def _fault(point: str, version: int, rank: int) -> None:
-    if _planned_fault() != (point, version, rank):
-        return
-    if point == "crash-in-step":
-        os.kill(os.getpid(), signal.SIGKILL)
-    os._exit(70)
 
 
 def _import_deepspeed():
@@ -350,7 +321,7 @@ class DeepSpeedTrainer:
                 if source.is_file():
                     shutil.copyfile(source, policy / name)
         # the test kit's fault: a trainer that dies with the policy written, the rest not
-        _fault("crash-in-checkpoint", self._version, self.rank)
+        trainer_fault("crash-in-checkpoint", self._version, self.rank)
         rngs: list[Any] = [None] * self.world_size
         dist.all_gather_object(rngs, torch.get_rng_state())
         self.engine.save_checkpoint(
@@ -407,7 +378,7 @@ class DeepSpeedTrainer:
             )
             self.engine.backward(loss, scale_wrt_gas=False)
             sums = sums + part
-        _fault("crash-in-step", self._version + 1, self.rank)
+        trainer_fault("crash-in-step", self._version + 1, self.rank)
         self.engine.step()
         grad_norm = self.engine.get_global_grad_norm()
         totals = sums.as_tensor()
@@ -821,7 +792,7 @@ def _trainer_rank(
     torch.set_num_threads(threads)
     training = convert(settings or {}, TrainingSettings, "trainer settings")
     # each start of the group meets afresh: a killed group leaves its rendezvous file behind
-    init_process_group(rank, world_size, f"{rendezvous}.{os.environ.get(GROUP_START_ENV, '0')}")
+    init_process_group(rank, world_size, f"{rendezvous}.{os.environ.get(START_ENV, '0')}")
     start = _choose_start(rank, checkpoint, resume, store_name, checkpoints)
     engine = DeepSpeedTrainer(
         start.policy,
@@ -839,7 +810,7 @@ def _trainer_rank(
     bus = Bus.nng(Directory.from_dict(directory), rl_messages(), secret=job_secret())
     if rank == 0:
         restarted = None
-        if os.environ.get(GROUP_START_ENV, "0") != "0":
+        if not first_start():
             restarted = TrainerRestart(
                 source=start.source,
                 version=start.version,

@@ -51,6 +51,8 @@ MESSAGES: tuple[type[RLMessage], ...] = (
     shift.Register,
     shift.AgentState,
     shift.TrainerPhaseChanged,
+    shift.AgentLost,
+    shift.AgentJoined,
     shift.QueryAllocation,
     shift.AllocationReport,
     shift.ShiftStarted,

@@ -16,9 +16,9 @@ Process children added with the same ``group`` are supervised as one unit (the r
 a collective group, which cannot lose a member): when one exits, the others are stopped,
 and all of them start again together. The group has one restart count and one policy (its
 first member's); its events and its escalation carry the group's name, the failure names
-the member that died first. Each member is told which start of its group it is
-(``GROUP_START_ENV``, 0 the first), so what the members must meet at afresh each time (a
-rendezvous) can be named by it.
+the member that died first. Members start together, so each one's ``START_ENV`` is also the
+group's start count: what they must meet at afresh each time (a rendezvous) can be named by
+it.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ from pivot.bus.logs import get_logger
 
 ActorFactory = Callable[[], Actor | Awaitable[Actor]]
 
-#: The environment variable that tells a group's member which start of the group it is.
-GROUP_START_ENV = "PIVOT_GROUP_START"
+#: A child process's start count (0 at launch, n at its n-th restart), in its environment.
+START_ENV = "PIVOT_CHILD_START"
 
 #: Each stops everything as cleanly as the others: Ctrl-C, ``kill``, a closed terminal.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -144,16 +144,19 @@ class _ProcessChild(_Child):
         env: Mapping[str, str] | None,
         ready_timeout: float,
         stop_timeout: float,
+        restart_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         self.name = name
         self.policy = policy
         self._target = target
         self._kwargs = json.dumps(dict(kwargs))
+        # what every start after the first is called with
+        self._restart_kwargs = json.dumps({**kwargs, **(restart_kwargs or {})})
         self._env = env
         self._ready_timeout = ready_timeout
         self._stop_timeout = stop_timeout
         self.process: asyncio.subprocess.Process | None = None
-        self.start_env: dict[str, str] = {}  # set by its group before each start
+        self._starts = 0
 
     @property
     def pid(self) -> int | None:
@@ -162,12 +165,14 @@ class _ProcessChild(_Child):
     async def start(self) -> None:
         env = dict(os.environ)
         env.update(self._env or {})
-        env.update(self.start_env)
+        env[START_ENV] = str(self._starts)
+        kwargs = self._kwargs if self._starts == 0 else self._restart_kwargs
+        self._starts += 1
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "pivot.bus.child",
             "--name", self.name,
             "--target", self._target,
-            "--kwargs", self._kwargs,
+            "--kwargs", kwargs,
             "--parent-pid", str(os.getpid()),
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
@@ -230,14 +235,10 @@ class _ProcessGroup(_Child):
         self.name = name
         self.policy = policy
         self.members: list[_ProcessChild] = []
-        self.starts = 0
 
     async def start(self) -> None:
         """Every member at once (they may wait for each other, as ranks at a rendezvous);
         one that fails stops the others at once, rather than leaving them waiting for it."""
-        for member in self.members:
-            member.start_env = {GROUP_START_ENV: str(self.starts)}
-        self.starts += 1
         starts = [asyncio.ensure_future(m.start()) for m in self.members]
         done, pending = await asyncio.wait(starts, return_when=asyncio.FIRST_EXCEPTION)
         failed = [t.exception() for t in starts if t in done and t.exception() is not None]
@@ -304,6 +305,7 @@ class Supervisor:
         self.policy = policy if policy is not None else RestartPolicy()
         self.name = name
         self.events: deque[SupervisorEvent] = deque(maxlen=10_000)
+        self._listeners: list[Callable[[SupervisorEvent], None]] = []
         self.log = get_logger(actor=name)
         self._children: dict[str, _Child] = {}
         self._members: dict[str, _ProcessChild] = {}  # the process children of groups
@@ -337,17 +339,27 @@ class Supervisor:
         env: Mapping[str, str] | None = None,
         ready_timeout: float = 30.0,
         stop_timeout: float = 5.0,
+        restart_kwargs: Mapping[str, Any] | None = None,
         group: str | None = None,
     ) -> None:
         """An actor run in a child process: ``target`` is ``"module:function"``, called
         there as ``function(name, **kwargs)`` (kwargs must be JSON) and returning the
-        actor (or an awaitable of it). Pass secrets through ``env``, not ``kwargs``:
-        the command line is visible to every local user. ``group``: the unit it is
-        restarted with (see the module docstring; it may share its name with a member)."""
+        actor (or an awaitable of it); a restart calls it with ``restart_kwargs`` over
+        ``kwargs`` (a restarted agent starts free). Pass secrets through ``env``, not
+        ``kwargs``: the command line is visible to every local user. ``group``: the unit
+        it is restarted with (see the module docstring; it may share its name with a
+        member)."""
         if ":" not in target:
             raise ValueError(f"target must look like 'package.module:function', got {target!r}")
         child = _ProcessChild(
-            name, target, kwargs or {}, policy or self.policy, env, ready_timeout, stop_timeout
+            name,
+            target,
+            kwargs or {},
+            policy or self.policy,
+            env,
+            ready_timeout,
+            stop_timeout,
+            restart_kwargs,
         )
         if group is None:
             self._add(child)
@@ -565,7 +577,18 @@ class Supervisor:
         self.log.error("escalating: too many restarts", child=child.name, failure=failure)
         self._stop_task = asyncio.get_running_loop().create_task(self.stop())
 
+    def listen(self, listener: Callable[[SupervisorEvent], None]) -> None:
+        """Call ``listener`` with every event from now on (on the supervisor's loop; it must
+        not block). How the job hears that a child died or came back."""
+        self._listeners.append(listener)
+
     def _event(self, child: str, event: str, detail: str = "") -> None:
-        self.events.append(SupervisorEvent(self.clock.now(), child, event, detail))
+        happened = SupervisorEvent(self.clock.now(), child, event, detail)
+        self.events.append(happened)
+        for listener in self._listeners:
+            try:
+                listener(happened)
+            except Exception as exc:  # a listener's bug must not stop the supervision
+                self.log.error("supervisor listener failed", child=child, error=repr(exc))
         if event in ("started", "stopped"):
             self.log.info(f"child {event}", child=child)

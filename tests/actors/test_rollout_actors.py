@@ -652,3 +652,44 @@ def test_a_step_that_stops_progressing_is_an_error_naming_the_stage():
         "step 0 made no progress for 30 s: 1/4 responses, 1/4 scored (waiting on the rollout stage)"
     )
     assert 30.0 <= stopped_at <= 61.0  # within two windows of the last progress
+
+
+def test_an_agent_restarted_in_place_gets_back_what_its_dead_process_ran():
+    # an unmanaged agent restarts in its launch role and registers again holding nothing:
+    # the scheduler requeues what it had placed there, so the step completes, each once
+    job = JobConfig(steps=2, rollout=RolloutSection(prompts_per_step=4, samples_per_prompt=4))
+
+    async def main(clock):
+        import asyncio
+
+        bus = Bus.local(rl_messages(), transport=LocalTransport(), clock=clock)
+        actors, _, driver = _cluster(bus, job, replicas=2)
+        scheduler, first = actors[0], actors[1]
+        driver.stall_timeout = 60.0  # a lost sequence fails the test instead of hanging it
+        for actor in (*actors, driver):
+            await actor.start()
+        while not first.held_sequences:
+            await asyncio.sleep(0)
+        lost = set(first.held_sequences)
+        await first.stop()  # the process is gone, and what its engine held with it
+        again = RoleAgent(
+            "agent-0",
+            bus,
+            engine=oracle_engine(),
+            role="rollout",
+            scheduler="sched",
+            stepping=Inline(),
+        )
+        await again.start()
+        await driver.finished.wait()
+        check_ownership(scheduler.core.ledger, scheduler.core)
+        counts = scheduler.core.ledger.counts()
+        for actor in (driver, again, *reversed(actors[2:]), scheduler):
+            await actor.stop()
+        return lost, driver.reports, counts
+
+    lost, reports, counts = run_virtual(main)
+    assert lost
+    assert [r.samples for r in reports] == [16, 16]
+    assert sum(r.duplicates for r in reports) == 0
+    assert counts == {"submitted": 32, "done": 32, "queued": 0, "running": 0}

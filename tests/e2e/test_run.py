@@ -313,13 +313,16 @@ def _resume(config: Path | None, run_dir: Path) -> tuple[list[dict], dict]:
     return [r for r in records if r.get("type", "step") == "step"], resume
 
 
-def _same_steps(steps: list[dict], reference: list[dict]) -> None:
-    """Step for step what the uninterrupted run reported: rewards exactly, losses to 1e-6."""
+def _same_steps(steps: list[dict], reference: list[dict], *, moved: bool = False) -> None:
+    """Step for step what the uninterrupted run reported: rewards exactly, losses to 1e-6
+    (or 1e-3 relative where sequences ``moved`` between replicas: see
+    ``test_same_seed_same_rewards_without_shifts``)."""
     assert [r["step"] for r in steps] == list(range(len(reference)))  # none twice
     assert [r["scores"] for r in steps] == [r["scores"] for r in reference]
     assert [r["response_tokens"] for r in steps] == [r["response_tokens"] for r in reference]
     for ours, theirs in zip(steps, reference, strict=True):
-        assert ours["train"]["loss"] == pytest.approx(theirs["train"]["loss"], abs=1e-6)
+        loss = pytest.approx(theirs["train"]["loss"], rel=1e-3 if moved else 1e-6, abs=1e-6)
+        assert ours["train"]["loss"] == loss
         assert ours["train"]["version"] == theirs["train"]["version"]
 
 
@@ -393,6 +396,52 @@ def test_a_crash_while_a_checkpoint_is_written_leaves_the_one_before(fixed_run, 
     steps, resume = _resume(None, run_dir)
     assert resume["next_step"] == 2
     _same_steps(steps, fixed_run.reports[:6])
+
+
+def test_killed_agents_come_back_free_and_the_run_gives_the_undisturbed_steps(fixed_run, tmp_path):
+    """kill -9 of agent-0 while it generates rollouts and of agent-1 while it judges them
+    (the test kit's fault: each SIGKILLs itself after a number of engine steps in that
+    role): the supervisor restarts
+    them, the Controller takes their replicas out at once (their sequences run again
+    elsewhere) and the planner wakes the restarted, free agents again. Every step is the
+    undisturbed run's, every sample scored once."""
+    import os
+
+    steps = 4
+    config = tmp_path / "job.toml"
+    config.write_text(
+        CONFIG.format(policy="tiny-policy", genrm="tiny-genrm").replace(
+            f"steps = {STEPS}", f"steps = {steps}"
+        )
+    )
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        [*PIVOT, "run", str(config), "--run-dir", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={
+            **os.environ,
+            "PIVOT_FAULT": "kill-agent:agent-0:12:rollout,kill-agent:agent-1:8:reward",
+        },
+    )
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    run = Run(run_dir, None, done.stdout, done.stderr)  # type: ignore[arg-type]
+    events = [e for e in run.log if e.get("actor") in ("supervisor", "controller")]
+    restarted = {e["child"] for e in events if e.get("event") == "restarting child"}
+    assert restarted == {"agent-0", "agent-1"}
+    lost = [e for e in events if e.get("event") == "agent lost"]
+    assert {e["agent"] for e in lost} == {"agent-0", "agent-1"} and all(e["dead"] for e in lost)
+    assert {e["agent"] for e in events if e.get("event") == "agent joined"} == restarted
+    taken = [e for e in events if e.get("event") == "replica of a dead agent taken out"]
+    assert {(e["device"], e["replica"].split("@")[0]) for e in taken} == {
+        (0, "rollout"),
+        (1, "reward"),
+    }
+    assert run.migrated > 0  # the dead replicas' sequences went back to the queue
+    assert [r["samples"] for r in run.reports] == [BATCH] * steps
+    assert all(r["duplicates"] == 0 for r in run.reports)
+    _same_steps(run.reports, fixed_run.reports[:steps], moved=True)
 
 
 def test_a_killed_trainer_rank_brings_the_group_back_and_the_run_goes_on(fixed_run, tmp_path):

@@ -21,7 +21,6 @@ from pivot.actors.simulation import (
 )
 from pivot.actors.testing import ActorCrash, FaultPlan, InvariantViolation, MessageFault
 from pivot.bus import run_virtual
-from pivot.bus.supervisor import SupervisorEscalation
 from pivot.cluster import ClusterSpec, Device, Pool, Role, RoleSpec
 from pivot.deployment import DeploymentKind, Split, sweep_splits, table4_split
 from pivot.planning.plans import TRAINER_ID
@@ -207,12 +206,50 @@ def test_a_controller_killed_between_shifts_is_restarted_and_the_run_completes(t
     assert [r.samples for r in cluster.assembly.driver.reports] == [16, 16]
 
 
-def test_a_killed_agent_stops_the_run_and_says_which(tmp_path):
-    # agents are not restarted in a simulation: a dead one is a failed run, named
+def test_a_killed_agent_restarts_free_its_sequences_run_again_and_the_planner_uses_it(tmp_path):
+    # agent-0 dies mid-generation; the Controller hears it from the supervisor, takes its
+    # replica out (its sequences go back to the queue), and the agent restarts free
     workload = _busy_toy(tmp_path)
-    faults = FaultPlan(crashes=(ActorCrash(actor="agent-0", at_s=0.5),))
-    with pytest.raises(SupervisorEscalation, match="agent-0.*injected crash"):
-        _run_with(tmp_path, workload, faults)
+    faults = FaultPlan(crashes=(ActorCrash(actor="agent-0", at_s=0.5),), restart_after_s=1.0)
+    cluster = _run_with(tmp_path, workload, faults)
+    reports = cluster.assembly.driver.reports
+    assert [r.samples for r in reports] == [16, 16]
+    assert sum(r.duplicates for r in reports) == 0
+    assert cluster.supervisor.restarts("agent-0") == 1
+    for scheduler in cluster.assembly.schedulers.values():
+        assert scheduler.core.ledger.counts()["done"] == 2 * 16
+    events = [(e.child, e.event) for e in cluster.supervisor.events if e.child == "agent-0"]
+    assert events[:4] == [
+        ("agent-0", "started"), ("agent-0", "crashed"), ("agent-0", "restarting"),
+        ("agent-0", "started"),
+    ]  # fmt: skip
+    # the restarted agent (fresh engines) was given a role and generated
+    restarted = cluster.assembly.agents[0]
+    assert sum(e.stats().generated_tokens for e in restarted.engines.values()) > 0
+    assert cluster.checks > 5
+
+
+def test_an_agent_that_goes_silent_is_taken_out_and_freed_when_it_answers_again(tmp_path):
+    # agent-0's process lives but stops answering for a while: an Assign and its first
+    # Describes are lost. Its scheduler suspects it and tells the Controller, which finds it
+    # silent and takes its replica out (its sequences run elsewhere); when it answers again
+    # it drops what it still held and is free
+    workload = _busy_toy(tmp_path)
+    faults = FaultPlan(
+        messages=(
+            MessageFault(message="Assign", to="agent-0", skip=1),
+            MessageFault(message="Describe", to="agent-0", skip=1, count=2),
+        )
+    )
+    cluster = _run_with(tmp_path, workload, faults)
+    assert cluster.transport.hits == [1, 2]
+    reports = cluster.assembly.driver.reports
+    assert [r.samples for r in reports] == [16, 16]
+    assert sum(r.duplicates for r in reports) == 0
+    for scheduler in cluster.assembly.schedulers.values():
+        assert scheduler.core.ledger.counts()["done"] == 2 * 16
+    assert cluster.assembly.controller.lost_devices == {}
+    assert cluster.checks > 5
 
 
 def _deterministic(result) -> bytes:

@@ -1,0 +1,79 @@
+"""The test kit's faults for real processes, named in the job's environment: how the e2e
+tests kill a child at a chosen point of its work, deterministically, where a kill from
+outside would land at a random one. ``PIVOT_FAULT`` holds comma-separated entries
+``kind:argument...``; this module is the one place that reads it.
+
+* ``kill-agent:NAME:STEPS[:ROLE]``: the agent process NAME SIGKILLs itself (no cleanup, no
+  FAILED line: as ``kill -9``) right after its STEPS-th engine step (counting only steps in
+  ROLE, when given), in its first start only, so that its restart runs undisturbed.
+* ``crash-in-step:VERSION[:RANK]``: trainer rank RANK (0 by default) SIGKILLs itself in the
+  step that makes policy version VERSION, between its backward and its update; in its
+  group's first start only.
+* ``crash-in-checkpoint:VERSION[:RANK]``: trainer rank RANK (0 by default) exits 70 while it
+  saves the checkpoint of policy version VERSION, the policy written and the rest not; in
+  its group's first start only.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from pivot.actors.agent import RoleAgent, Threaded
+from pivot.bus.supervisor import START_ENV
+from pivot.cluster import Role
+from pivot.engines.protocol import InferenceEngine
+
+FAULT_ENV = "PIVOT_FAULT"
+
+
+def planned(kind: str) -> list[list[str]]:
+    """The arguments of every ``kind`` entry in ``PIVOT_FAULT``."""
+    entries = (e.strip() for e in os.environ.get(FAULT_ENV, "").split(","))
+    return [e.split(":")[1:] for e in entries if e.split(":")[0] == kind]
+
+
+def first_start() -> bool:
+    """This child process is its supervisor's first start of it (not a restart)."""
+    return os.environ.get(START_ENV, "0") == "0"
+
+
+class KilledAfterSteps(Threaded):
+    """``Threaded`` stepping that SIGKILLs its process after ``steps`` engine steps (in
+    ``role`` only, when given)."""
+
+    def __init__(self, steps: int, role: Role | None = None) -> None:
+        self.left = steps
+        self.role = role
+
+    async def turn(self, agent: RoleAgent, engine: InferenceEngine) -> None:
+        await super().turn(agent, engine)
+        if self.role is None or agent.role is self.role:
+            self.left -= 1
+        if self.left <= 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def agent_stepping(name: str) -> KilledAfterSteps | None:
+    """The stepping that kills the agent ``name`` as planned (None: no fault for it)."""
+    if not first_start():
+        return None
+    for args in planned("kill-agent"):
+        if len(args) in (2, 3) and args[0] == name:
+            return KilledAfterSteps(int(args[1]), Role(args[2]) if len(args) == 3 else None)
+    return None
+
+
+def trainer_fault(point: str, version: int, rank: int) -> None:
+    """Die here if ``PIVOT_FAULT`` plans it: ``point`` is ``crash-in-step`` or
+    ``crash-in-checkpoint`` (see the module docstring)."""
+    if not first_start():
+        return
+    for args in planned(point):
+        if len(args) in (1, 2) and (int(args[0]), int(args[1]) if len(args) == 2 else 0) == (
+            version,
+            rank,
+        ):
+            if point == "crash-in-step":
+                os.kill(os.getpid(), signal.SIGKILL)
+            os._exit(70)
