@@ -547,9 +547,14 @@ class Controller(Actor):
 
     @property
     def settled(self) -> bool:
-        """No shift in flight and no dead agent's replica being taken out: the allocation is
-        what the agents hold (the invariant checker's moment)."""
-        return self.shift is None and not self._repairing.locked() and not self._retiring
+        """Recovered, no shift in flight and no dead agent's replica being taken out: the
+        allocation is what the agents hold (the invariant checker's moment)."""
+        return (
+            self.recovered.is_set()
+            and self.shift is None
+            and not self._repairing.locked()
+            and not self._retiring
+        )
 
     async def repair(self) -> None:
         """At a tick with no shift in flight: ask the agents requests to failed whether they
@@ -703,6 +708,11 @@ class Controller(Actor):
     async def _read_allocation(self, *, fix: bool = False) -> Allocation:
         """The allocation the agents hold; with ``fix``, first run what reconcile lists."""
         agents, schedulers, holds = await self.describe()
+        for view in agents:
+            if not view.reachable and view.device not in self._lost:
+                # reconcile takes its replica out; it is freed if it answers again
+                self._lost[view.device] = "no answer to Describe"
+                self._unconfirmed.add(view.device)
         result = reconcile(self.spec, agents, schedulers, holds)
         if fix and result.stages:
             for problem in result.problems:

@@ -176,7 +176,9 @@ class InvariantChecker:
         self.assembly = assembly
         self.checks = 0
 
-    def check(self) -> None:
+    def check(self, *, settled: bool = True) -> None:
+        """Every invariant; with ``settled`` False (a shift or a repair in flight, or the
+        Controller recovering) only those about sequences."""
         self.checks += 1
         a = self.assembly
         # an agent that crashed and is not restarted yet, or that went silent and was taken
@@ -196,6 +198,8 @@ class InvariantChecker:
                         raise InvariantViolation(
                             f"{role.value} sequence {seq_id} runs on {other} and {agent.name}"
                         )
+        if not settled:
+            return
         deployment = a.deployment
         unmanaged = {d: p for d, p in deployment.placements.items() if d >= deployment.managed}
         controller = a.controller
@@ -328,8 +332,7 @@ class LocalCluster:
         def on_step(report: StepReport) -> None:
             if user_step is not None:
                 user_step(report)
-            if self.settled:
-                self.check()
+            self.check()
 
         if control is not None:
             control = self._checked_control(control, faults, every_tick=check == "tick")
@@ -357,7 +360,9 @@ class LocalCluster:
         return self.supervisor.restarts(CONTROLLER)
 
     def check(self) -> None:
-        self.checker.check()
+        """The invariants now: all of them when the Controller is settled, else those about
+        sequences (raises InvariantViolation)."""
+        self.checker.check(settled=self.settled)
 
     @property
     def settled(self) -> bool:
@@ -435,8 +440,7 @@ class LocalCluster:
                 failed.result()  # raises the escalation: an actor crashed
                 raise InvariantViolation("every actor stopped before the Driver's last step")
             failed.cancel()
-            if self.settled:
-                self.check()
+            self.check()
             if at_end is not None:
                 at_end()
             return self.assembly

@@ -14,7 +14,9 @@ the whole padded batch (small: token ids and a few floats per token); each rank 
 data-parallel share (``GRPOBatch.shard``). After each step rank 0 writes the full updated
 policy, in Hugging Face names, to the GPS host store as the new version. One actor per rank
 with its own requests would have made the caller coordinate the ranks; this way the bus sees
-one trainer, and the ranks stay in step by construction.
+one trainer, and the ranks stay in step by construction. Nothing is unpickled from the
+group's sockets: commands travel as msgpack bytes in a uint8 tensor (``encode_command``),
+RNG states and parameter digests as fixed-size uint8 tensors; no object collectives.
 
 DeepSpeed on CPU (reference/platform-notes.md §2): gloo, fp32, torch's AdamW at ZeRO 1/2
 (no FusedAdam JIT). ZeRO-3 builds the model under ``zero.Init`` and uses FusedAdam, since
@@ -56,7 +58,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -322,8 +324,10 @@ class DeepSpeedTrainer:
                     shutil.copyfile(source, policy / name)
         # the test kit's fault: a trainer that dies with the policy written, the rest not
         trainer_fault("crash-in-checkpoint", self._version, self.rank)
-        rngs: list[Any] = [None] * self.world_size
-        dist.all_gather_object(rngs, torch.get_rng_state())
+        # a uint8 tensor of one size on every rank: a tensor collective, nothing unpickled
+        state = torch.get_rng_state()
+        rngs = [torch.empty_like(state) for _ in range(self.world_size)]
+        dist.all_gather(rngs, state)
         self.engine.save_checkpoint(
             str(folder / "trainer"),
             tag=TRAINER_TAG,
@@ -497,6 +501,66 @@ class RankCommand:
     checkpoint: str = ""  # train: then save a checkpoint into this folder
 
 
+class _WireTensor(msgspec.Struct, array_like=True):
+    dtype: str
+    shape: list[int]
+    data: bytes
+
+
+class _WireCommand(msgspec.Struct, array_like=True):
+    kind: str
+    publish: bool
+    checkpoint: str
+    batch: dict[str, _WireTensor] | None  # GRPOBatch's tensor fields
+    pad_id: int
+
+
+# the dtypes a GRPOBatch holds; anything else is refused, never guessed
+_WIRE_DTYPES = {str(t).removeprefix("torch."): t for t in (torch.int64, torch.float32)}
+_decode_command = msgspec.msgpack.Decoder(_WireCommand).decode
+
+
+def encode_command(command: RankCommand) -> bytes:
+    """``command`` as msgpack bytes (tensors as dtype, shape and raw bytes)."""
+    batch = None
+    pad_id = 0
+    if command.batch is not None:
+        batch = {}
+        for field in fields(command.batch):
+            value = getattr(command.batch, field.name)
+            if field.name == "pad_id":
+                pad_id = value
+                continue
+            dtype = str(value.dtype).removeprefix("torch.")
+            if dtype not in _WIRE_DTYPES:
+                raise TypeError(
+                    f"GRPOBatch.{field.name} is {value.dtype}, which rank commands do not carry"
+                )
+            data = value.detach().to("cpu").contiguous()
+            batch[field.name] = _WireTensor(
+                dtype, list(data.shape), data.view(torch.uint8).numpy().tobytes()
+            )
+    wire = _WireCommand(command.kind, command.publish, command.checkpoint, batch, pad_id)
+    return msgspec.msgpack.encode(wire)
+
+
+def decode_command(frame: bytes) -> RankCommand:
+    """The ``RankCommand`` that ``encode_command`` made ``frame`` of."""
+    wire = _decode_command(frame)
+    batch = None
+    if wire.batch is not None:
+        tensors = {}
+        for name, t in wire.batch.items():
+            dtype = _WIRE_DTYPES.get(t.dtype)
+            if dtype is None:
+                raise ValueError(f"rank command with a tensor of dtype {t.dtype!r}")
+            raw = torch.frombuffer(bytearray(t.data), dtype=torch.uint8) if t.data else None
+            flat = raw.view(dtype) if raw is not None else torch.empty(0, dtype=dtype)
+            tensors[name] = flat.reshape(t.shape)
+        batch = GRPOBatch(**tensors, pad_id=wire.pad_id)
+    return RankCommand(wire.kind, batch, wire.publish, wire.checkpoint)
+
+
 class RankGroup:
     """Runs commands on every rank of a trainer group: rank 0 ``lead``s (broadcast, then
     run), the other ranks ``follow`` until told to quit. Blocking calls: run them off the
@@ -518,10 +582,16 @@ class RankGroup:
     def _exchange(self, command: RankCommand | None) -> RankCommand:
         import torch.distributed as dist
 
-        box = [command]
-        dist.broadcast_object_list(box, src=0, group=self._group)
-        assert box[0] is not None
-        return box[0]
+        # its size, then its bytes: followers wait in the first broadcast for the next one
+        frame = encode_command(command) if command is not None else b""
+        size = torch.tensor([len(frame)], dtype=torch.int64)
+        dist.broadcast(size, src=0, group=self._group)
+        if command is not None:
+            data = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
+        else:
+            data = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.broadcast(data, src=0, group=self._group)
+        return command if command is not None else decode_command(data.numpy().tobytes())
 
     def lead(self, command: RankCommand) -> Any:
         if self.rank != 0:
@@ -566,9 +636,10 @@ class RankGroup:
             dist.barrier(group=self._group)
             return None
         if command.kind == "fingerprint":
-            digests: list[str | None] = [None] * self.world_size
-            dist.all_gather_object(digests, engine.fingerprint(), group=self._group)
-            return digests
+            mine = torch.frombuffer(bytearray.fromhex(engine.fingerprint()), dtype=torch.uint8)
+            digests = [torch.empty_like(mine) for _ in range(self.world_size)]
+            dist.all_gather(digests, mine, group=self._group)
+            return [d.numpy().tobytes().hex() for d in digests]
         if command.kind == "quit":
             return None
         raise ValueError(f"unknown trainer command {command.kind!r}")

@@ -10,20 +10,23 @@ Actors (``actor``)
         async for pub in sub: pub.topic, pub.sender, pub.message
         await sub.get(timeout) / sub.get_nowait() / sub.drain()
         await sub.wait_live(publisher, timeout=5.0)  beat the slow joiner
-    actor.stats: BusStats              counters (dropped frames, bad HMAC, ...)
+    actor.stats: BusStats              counters (dropped frames, bad HMAC, replayed, ...)
     Bus(transport, codec, clock)       what the actors of a process share;
     Bus.local(messages, *, secret, clock, transport) / Bus.nng(directory, messages, ...)
     started(*actors)                   async context manager: start, then stop in reverse
 
 Messages (``codec``)
     Message                           tagged msgspec.Struct base for application messages
-    Codec(messages, *, secret=None)
+    Codec(messages, *, secret=None)   with a secret every frame is sealed: HMAC over the
+                                      envelope, destination and a per-sender counter
+    job_secret()                      the job's secret from the environment, or None
     Ping, Pong, RemoteFailure          system messages the bus adds
 
 Transports (``transport``, ``local``, ``nng``)
-    Transport protocol; LocalTransport(); NngTransport(directory, *, fast_aio=True)
+    Transport protocol; LocalTransport(); NngTransport(directory, *, fast_aio=True,
+                                      max_frame, reply_timeout)
     Directory({name: Endpoint(rep, pub)}) / .ipc(folder, names) / .inproc(names) / .tcp(...)
-    check_bind_address(address, *, secured)   non-loopback needs a secret
+    check_bind_address(address, *, secured)   any tcp bind needs a secret
 
 Time (``clock``)
     Clock protocol: now(), await sleep(dt), call_later(dt, fn, *args), rng
@@ -36,7 +39,12 @@ Supervision (``supervisor``, ``child``)
 
 Errors (``errors``)
     BusError > RequestTimeout, RemoteError, Unreachable, ProtocolError,
-    InsecureBindError, AddressError, SupervisorEscalation
+    InsecureBindError, AddressError, SecretError, SupervisorEscalation
+
+Counters in a file (``statsfile``)
+    BusStatsFile(bus, path, *, process, interval=10.0)   async context manager: the bus's
+                                      counters rewritten every interval and at exit
+    Supervisor(stats_dir=DIR)          each child process writes DIR/<name>.json
 
 Logging (``logs``)
     configure_logging(level="info", *, json=True, stream=None)
@@ -63,7 +71,7 @@ from pivot.bus.clock import (
     run_real,
     run_virtual,
 )
-from pivot.bus.codec import Codec, Message, Ping, Pong, RemoteFailure
+from pivot.bus.codec import Codec, Message, Ping, Pong, RemoteFailure, job_secret
 from pivot.bus.errors import (
     AddressError,
     BusError,
@@ -71,6 +79,7 @@ from pivot.bus.errors import (
     ProtocolError,
     RemoteError,
     RequestTimeout,
+    SecretError,
     Unreachable,
 )
 from pivot.bus.local import LocalTransport
@@ -103,6 +112,7 @@ __all__ = [
     "RemoteFailure",
     "RequestTimeout",
     "RestartPolicy",
+    "SecretError",
     "Subscription",
     "Supervisor",
     "SupervisorEscalation",
@@ -115,6 +125,7 @@ __all__ = [
     "check_bind_address",
     "configure_logging",
     "handles",
+    "job_secret",
     "run_real",
     "run_virtual",
     "started",

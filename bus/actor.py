@@ -7,9 +7,12 @@ reply. It calls others with ``await self.request(to, msg)``, publishes with
 
 Failure model: a handler that raises, a frame that cannot be decoded and a message
 with no handler each produce an error reply (``RemoteError`` at the caller), a log
-line, and a counter; the actor keeps serving. A frame with a bad HMAC is dropped
-without a reply (the caller times out). Only ``run()`` or a task started with
-``spawn()`` raising counts as a crash: the actor then stops and ``wait()`` raises.
+line, and a counter; the actor keeps serving. A frame with a bad HMAC, and with a
+secret a signed frame replayed or meant for another actor (see ``pivot.bus.codec``),
+is dropped without a reply (the caller times out), counted and logged at counts 1, 2,
+4, 8...; such a reply fails the request with ``ProtocolError``. Only ``run()`` or a
+task started with ``spawn()`` raising counts as a crash: the actor then stops and
+``wait()`` raises.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import secrets
 import typing
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
@@ -26,11 +30,14 @@ import msgspec
 
 from pivot.bus.clock import Clock, RealClock
 from pivot.bus.codec import (
+    REPLAY_MEMORY,
+    REQUEST_WINDOW,
     BadSignature,
     Codec,
     Ping,
     Pong,
     ProbeSubscription,
+    Seal,
     SubscriptionProbe,
     topic_prefix,
 )
@@ -42,7 +49,8 @@ from pivot.bus.errors import (
     Unreachable,
 )
 from pivot.bus.local import LocalTransport
-from pivot.bus.logs import dispatch_context, get_logger
+from pivot.bus.logs import dispatch_context, get_logger, worth_logging
+from pivot.bus.replay import ReplayWindow
 from pivot.bus.stats import BusStats
 from pivot.bus.transport import Directory, Publisher, Server, Subscriber, Transport
 
@@ -57,6 +65,23 @@ class Bus:
         self.transport = transport
         self.codec = codec
         self.clock: Clock = clock if clock is not None else RealClock()
+        # every actor instance made on this bus, restarted ones included, so that what an
+        # instance counted before it crashed still shows (``stats_by_actor``)
+        self._stats: list[tuple[str, BusStats]] = []
+
+    def stats_by_actor(self) -> dict[str, dict[str, int]]:
+        """The counters of every actor made on this bus, by name; the instances of a
+        restarted actor are summed."""
+        out: dict[str, dict[str, int]] = {}
+        for name, stats in self._stats:
+            counters = stats.snapshot()
+            seen = out.get(name)
+            if seen is None:
+                out[name] = counters
+            else:
+                for key, value in counters.items():
+                    seen[key] += value
+        return out
 
     @classmethod
     def local(
@@ -278,6 +303,7 @@ class Actor:
         self.bus = bus
         self.clock = bus.clock
         self.stats = BusStats()
+        bus._stats.append((name, self.stats))
         self.log = get_logger(actor=name)
         self._codec = bus.codec
         self._transport = bus.transport
@@ -290,6 +316,12 @@ class Actor:
         self._last_seq: dict[tuple[str, str], int] = {}
         self._probes: dict[str, asyncio.Future[None]] = {}
         self._next_cid = 1
+        # signed frames (see pivot.bus.codec): this instance's incarnation, the counter of
+        # the last request to each destination, and what was accepted from whom
+        self._incarnation = secrets.randbits(64)
+        self._sealed: dict[str, int] = {}
+        self._requests_seen = ReplayWindow(REQUEST_WINDOW, REPLAY_MEMORY)
+        self._publications_seen = ReplayWindow(1, REPLAY_MEMORY)
         # a dict, not a set: teardown cancels in creation order, the same on every run
         self._tasks: dict[asyncio.Task[Any], None] = {}
         self._state = "new"
@@ -320,7 +352,11 @@ class Actor:
         secured = self._codec.secured
         try:
             self._server = await self._transport.serve(
-                self.name, self._on_request_frame, concurrency=self.concurrency, secured=secured
+                self.name,
+                self._on_request_frame,
+                concurrency=self.concurrency,
+                secured=secured,
+                stats=self.stats,
             )
             self._publisher = await self._transport.open_publisher(self.name, secured=secured)
             await self.on_start()
@@ -460,10 +496,15 @@ class Actor:
             timeout = self.request_timeout
         cid = self._next_cid
         self._next_cid = cid + 1
+        seal = None
+        if codec.secured:
+            counter = self._sealed.get(to, 0) + 1
+            self._sealed[to] = counter
+            seal = Seal(to, self._incarnation, counter)
         stats.requests_sent += 1
         try:
             raw = await self._transport.request(
-                to, codec.encode_request(self.name, cid, message), timeout
+                to, codec.encode_request(self.name, cid, message, seal), timeout
             )
         except RequestTimeout:
             stats.request_timeouts += 1
@@ -472,7 +513,10 @@ class Actor:
             stats.unreachable += 1
             raise
         try:
-            envelope = codec.decode_reply(raw)
+            payload, answered = codec.unseal(raw)
+            if answered != seal:
+                self._refuse_reply(to, seal, answered)
+            envelope = codec.reply_of(payload)
         except BadSignature as exc:
             stats.bad_hmac += 1
             raise ProtocolError(f"reply from {to!r} failed the HMAC check") from exc
@@ -492,6 +536,39 @@ class Actor:
             )
         return body
 
+    def _refuse_reply(self, to: str, sent: Seal | None, answered: Seal | None) -> None:
+        # a reply carries its request's seal: another incarnation's answers another
+        # actor, another counter (or destination) an earlier request of ours
+        stats = self.stats
+        assert sent is not None and answered is not None  # both or neither: one codec
+        if answered.incarnation != sent.incarnation:
+            stats.misdirected += 1
+            what, count = "misdirected", stats.misdirected
+        else:
+            stats.replayed += 1
+            what, count = "replayed", stats.replayed
+        if worth_logging(count):
+            self.log.warning(f"reply dropped: {what}", to=to, count=count)
+        raise ProtocolError(f"reply from {to!r} was {what}: it answers another request")
+
+    def _admit_request(self, seal: Seal) -> bool:
+        stats = self.stats
+        if seal.to != self.name:
+            stats.misdirected += 1
+            if worth_logging(stats.misdirected):
+                self.log.warning(
+                    "request dropped: misdirected", meant_for=seal.to, count=stats.misdirected
+                )
+            return False
+        if not self._requests_seen.admit(seal.incarnation, seal.counter):
+            stats.replayed += 1
+            if worth_logging(stats.replayed):
+                self.log.warning(
+                    "request dropped: replayed", counter=seal.counter, count=stats.replayed
+                )
+            return False
+        return True
+
     async def ping(self, to: str, *, timeout: float | None = None) -> None:
         """Round trip to ``to`` through the bus's own ``Ping``."""
         await self.request(to, Ping(), timeout=timeout, expect=Pong)
@@ -499,16 +576,20 @@ class Actor:
     async def _on_request_frame(self, frame: bytes) -> bytes | None:
         codec, stats = self._codec, self.stats
         try:
-            envelope = codec.decode_request(frame)
+            payload, seal = codec.unseal(frame)
         except BadSignature as exc:
             stats.bad_hmac += 1
-            if _worth_logging(stats.bad_hmac):
+            if worth_logging(stats.bad_hmac):
                 self.log.warning("request dropped: bad HMAC", error=exc.text, count=stats.bad_hmac)
             return None
+        if seal is not None and not self._admit_request(seal):
+            return None
+        try:
+            envelope = codec.request_of(payload)
         except FrameError as exc:
             stats.decode_errors += 1
             stats.error_replies += 1
-            if _worth_logging(stats.decode_errors):
+            if worth_logging(stats.decode_errors):
                 self.log.warning(
                     "undecodable request",
                     error=exc.text,
@@ -516,7 +597,9 @@ class Actor:
                     cid=exc.cid,
                     count=stats.decode_errors,
                 )
-            return codec.encode_error(self.name, exc.cid, "bad_message", "FrameError", exc.text)
+            return codec.encode_error(
+                self.name, exc.cid, "bad_message", "FrameError", exc.text, seal
+            )
         message = envelope.body
         handler = self._handlers.get(type(message))
         token = dispatch_context.set((self.name, type(message).__name__, envelope.cid))
@@ -530,6 +613,7 @@ class Actor:
                     "no_handler",
                     "LookupError",
                     f"{type(self).__qualname__} has no handler for {type(message).__qualname__}",
+                    seal,
                 )
             try:
                 if handler.wants_sender:
@@ -545,15 +629,22 @@ class Actor:
                     "handler raised", sender=envelope.sender, error=repr(exc), exc_info=exc
                 )
                 return codec.encode_error(
-                    self.name, envelope.cid, "handler_error", type(exc).__qualname__, str(exc)
+                    self.name,
+                    envelope.cid,
+                    "handler_error",
+                    type(exc).__qualname__,
+                    str(exc),
+                    seal,
                 )
             if result is not None and type(result) not in codec.message_set:
                 stats.error_replies += 1
                 text = f"handler returned {type(result).__qualname__}, which is not a message type"
                 self.log.error("bad reply", error=text)
-                return codec.encode_error(self.name, envelope.cid, "bad_reply", "TypeError", text)
+                return codec.encode_error(
+                    self.name, envelope.cid, "bad_reply", "TypeError", text, seal
+                )
             stats.requests_served += 1
-            return codec.encode_reply(self.name, envelope.cid, result)
+            return codec.encode_reply(self.name, envelope.cid, result, seal)
         finally:
             dispatch_context.reset(token)
 
@@ -598,7 +689,9 @@ class Actor:
         seq = self._publish_seq.get(topic, 0) + 1
         self._publish_seq[topic] = seq
         if not publisher.send(
-            self._codec.encode_publish(self.name, self._prefix(topic), seq, messages)
+            self._codec.encode_publish(
+                self.name, self._prefix(topic), seq, messages, self._incarnation
+            )
         ):
             self.stats.dropped_frames += 1
 
@@ -631,13 +724,14 @@ class Actor:
             subscriptions.remove(subscription)
 
     def _on_publication_frame(self, frame: bytes) -> None:
-        stats = self.stats
+        stats, codec = self.stats, self._codec
         try:
-            topic, envelope = self._codec.decode_publish(frame)
+            payload, seal = codec.unseal(frame)
+            topic, envelope = codec.publication_of(payload)
         except BadSignature as exc:
             stats.bad_hmac += 1
             stats.dropped_frames += 1
-            if _worth_logging(stats.bad_hmac):
+            if worth_logging(stats.bad_hmac):
                 self.log.warning(
                     "publication dropped: bad HMAC", error=exc.text, count=stats.bad_hmac
                 )
@@ -645,13 +739,21 @@ class Actor:
         except FrameError as exc:
             stats.decode_errors += 1
             stats.dropped_frames += 1
-            if _worth_logging(stats.decode_errors):
+            if worth_logging(stats.decode_errors):
                 self.log.warning(
                     "publication dropped: undecodable", error=exc.text, count=stats.decode_errors
                 )
             return
         subscriptions = self._subscriptions.get(topic)
         if not subscriptions:
+            return
+        if seal is not None and not self._publications_seen.admit(
+            (seal.incarnation, topic), seal.counter
+        ):
+            stats.replayed += 1
+            stats.dropped_frames += 1
+            if worth_logging(stats.replayed):
+                self.log.warning("publication dropped: replayed", topic=topic, count=stats.replayed)
             return
         sender = envelope.sender
         key = (sender, topic)
@@ -700,11 +802,6 @@ class Actor:
 
 
 Actor._handlers = _collect_handlers(Actor, {})
-
-
-def _worth_logging(count: int) -> bool:
-    # 1st, 2nd, 4th, 8th...: a flood of bad frames must not become a flood of log lines
-    return count & (count - 1) == 0
 
 
 @contextlib.asynccontextmanager

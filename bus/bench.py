@@ -10,6 +10,10 @@ counts what it receives. Raw = Sub0 ``arecv`` + decode per frame; ours = an acto
 subscription. Reported as messages received per second of receiving, with the share
 of published messages that arrived (pub/sub drops what the subscriber cannot absorb).
 
+Signing: a tcp bind needs the shared secret, so the tcp round trips are always signed;
+``signed=True`` (``--signed``) signs the ipc round trips and pub/sub too. The secret is
+made afresh for each run and reaches the second processes through their environment.
+
 ``run_bench(...) -> dict`` and ``format_table(result) -> str``; also
 ``python -m pivot.bus.bench [--json]``. The ``serve`` and ``publish`` subcommands
 are the second processes.
@@ -22,6 +26,7 @@ import asyncio
 import contextlib
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -36,7 +41,7 @@ import pynng
 
 from pivot.bus.actor import Actor, Bus, handles
 from pivot.bus.clock import RealClock
-from pivot.bus.codec import Message
+from pivot.bus.codec import SECRET_ENV, SECRET_FILE_ENV, Message, job_secret
 from pivot.bus.logs import configure_logging
 from pivot.bus.nng import PUBSUB_BUFFER
 from pivot.bus.transport import Directory
@@ -68,13 +73,14 @@ def _percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, int(len(sorted_values) * q))]
 
 
-def _child(args: list[str], **kwargs: Any) -> subprocess.Popen[str]:
+def _child(args: list[str], secret: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "pivot.bus.bench", *args],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
-        **kwargs,
+        # the run's own secret, whatever the job's is
+        env={**{k: v for k, v in os.environ.items() if k != SECRET_FILE_ENV}, SECRET_ENV: secret},
     )
 
 
@@ -117,9 +123,9 @@ async def _raw_round_trips(address: str, count: int, warmup: int) -> list[float]
 
 
 async def _actor_round_trips(
-    directory: Directory, count: int, warmup: int, fast_aio: bool
+    directory: Directory, count: int, warmup: int, fast_aio: bool, secret: str | None
 ) -> list[float]:
-    bus = Bus.nng(directory, BENCH_MESSAGES, fast_aio=fast_aio)
+    bus = Bus.nng(directory, BENCH_MESSAGES, fast_aio=fast_aio, secret=secret)
     client = Actor("client", bus)
     await client.start()
     times = []
@@ -143,7 +149,7 @@ def _summary(times: list[float]) -> dict[str, float]:
     }
 
 
-async def _serve(folder: Path, fast_aio: bool) -> None:
+async def _serve(folder: Path, fast_aio: bool, signed: bool) -> None:
     """The second process of the request/reply benchmark: raw and actor servers."""
     encode = msgspec.msgpack.Encoder().encode
     decode = msgspec.msgpack.Decoder(BenchEcho).decode
@@ -170,9 +176,12 @@ async def _serve(folder: Path, fast_aio: bool) -> None:
         "ipc": Directory.ipc(folder, ["server", "client"]),
         "tcp": Directory.tcp("127.0.0.1", {"server": (0, 0), "client": (0, 0)}),
     }
+    secret = job_secret()
+    secrets_of = {"ipc": secret if signed else None, "tcp": secret}
     servers = []
-    for directory in directories.values():
-        server = _EchoServer("server", Bus.nng(directory, BENCH_MESSAGES, fast_aio=fast_aio))
+    for kind, directory in directories.items():
+        bus = Bus.nng(directory, BENCH_MESSAGES, fast_aio=fast_aio, secret=secrets_of[kind])
+        server = _EchoServer("server", bus)
         await server.start()
         servers.append(server)
     stop = asyncio.Event()
@@ -191,7 +200,7 @@ async def _serve(folder: Path, fast_aio: bool) -> None:
 # -- pub/sub
 
 
-async def _publish(kind: str, folder: Path, count: int, batch: int) -> None:
+async def _publish(kind: str, folder: Path, count: int, batch: int, signed: bool) -> None:
     """The second process of the pub/sub benchmark: publishes ``count`` messages as
     fast as it can once the parent writes a line on stdin."""
     loop = asyncio.get_running_loop()
@@ -206,7 +215,8 @@ async def _publish(kind: str, folder: Path, count: int, batch: int) -> None:
         await asyncio.sleep(1.0)  # let the buffers drain before closing
         sock.close()
         return
-    bus = Bus.nng(Directory.ipc(folder, ["publisher", "subscriber"]), BENCH_MESSAGES)
+    directory = Directory.ipc(folder, ["publisher", "subscriber"])
+    bus = Bus.nng(directory, BENCH_MESSAGES, secret=job_secret() if signed else None)
     publisher = Actor("publisher", bus)
     await publisher.start()
     print("READY", flush=True)
@@ -241,8 +251,8 @@ async def _receive_raw(folder: Path, count: int, go: Any) -> dict[str, float]:
     return _rate(received, first, last, count)
 
 
-async def _receive_ours(folder: Path, count: int, go: Any) -> dict[str, float]:
-    bus = Bus.nng(Directory.ipc(folder, ["publisher", "subscriber"]), BENCH_MESSAGES)
+async def _receive_ours(folder: Path, count: int, go: Any, secret: str | None) -> dict[str, float]:
+    bus = Bus.nng(Directory.ipc(folder, ["publisher", "subscriber"]), BENCH_MESSAGES, secret=secret)
     subscriber = Actor("subscriber", bus)
     await subscriber.start()
     # a queue as long as the run: we measure the bus, not a consumer that lags
@@ -275,7 +285,9 @@ def _rate(received: int, first: float, last: float, count: int) -> dict[str, flo
     }
 
 
-async def _pubsub_case(kind: str, count: int, batch: int) -> dict[str, float]:
+async def _pubsub_case(
+    kind: str, count: int, batch: int, secret: str, signed: bool
+) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="pivot-bench-", dir="/tmp") as tmp:
         folder = Path(tmp)
         process = _child(
@@ -289,7 +301,9 @@ async def _pubsub_case(kind: str, count: int, batch: int) -> dict[str, float]:
                 str(count),
                 "--batch",
                 str(batch),
-            ]
+                *(["--signed"] if signed else []),
+            ],
+            secret,
         )
         try:
             _ready(process)
@@ -302,7 +316,7 @@ async def _pubsub_case(kind: str, count: int, batch: int) -> dict[str, float]:
 
             if kind == "raw":
                 return await _receive_raw(folder, count, go)
-            return await _receive_ours(folder, count, go)
+            return await _receive_ours(folder, count, go, secret if signed else None)
         finally:
             _stop(process)
 
@@ -311,7 +325,13 @@ async def _pubsub_case(kind: str, count: int, batch: int) -> dict[str, float]:
 
 
 async def _run(
-    requests: int, warmup: int, publications: int, batch: int, rounds: int, fast_aio: bool
+    requests: int,
+    warmup: int,
+    publications: int,
+    batch: int,
+    rounds: int,
+    fast_aio: bool,
+    signed: bool,
 ) -> dict[str, Any]:
     result: dict[str, Any] = {
         "loop": type(asyncio.get_running_loop()).__module__.split(".")[0],
@@ -320,9 +340,12 @@ async def _run(
         "batch": batch,
         "cpus": os.cpu_count(),
         "fast_aio": fast_aio,
+        "signed": signed,
     }
+    secret = secrets.token_urlsafe(24)
     with tempfile.TemporaryDirectory(prefix="pivot-bench-", dir="/tmp") as tmp:
-        server = _child(["serve", "--folder", tmp, *([] if fast_aio else ["--public-aio"])])
+        flags = [*([] if fast_aio else ["--public-aio"]), *(["--signed"] if signed else [])]
+        server = _child(["serve", "--folder", tmp, *flags], secret)
         try:
             info = json.loads(_ready(server))
             rtt: dict[str, dict[str, list[float]]] = {
@@ -338,8 +361,9 @@ async def _run(
                         info["raw"][transport], per_round, warmup
                     )
                     directory = Directory.from_dict(info["ours"][transport])
+                    signer = secret if signed or transport == "tcp" else None
                     rtt[transport]["ours"] += await _actor_round_trips(
-                        directory, per_round, warmup, fast_aio
+                        directory, per_round, warmup, fast_aio, signer
                     )
         finally:
             _stop(server)
@@ -349,9 +373,9 @@ async def _run(
         result[f"rtt_ratio_{transport}"] = round(ours["p50_us"] / raw["p50_us"], 3)
         result[f"rtt_p99_ratio_{transport}"] = round(ours["p99_us"] / raw["p99_us"], 3)
     result["pubsub"] = {
-        "raw": await _pubsub_case("raw", publications, 1),
-        "ours": await _pubsub_case("ours", publications, 1),
-        "ours_batched": await _pubsub_case("ours", publications, batch),
+        "raw": await _pubsub_case("raw", publications, 1, secret, signed),
+        "ours": await _pubsub_case("ours", publications, 1, secret, signed),
+        "ours_batched": await _pubsub_case("ours", publications, batch, secret, signed),
     }
     raw_rate = result["pubsub"]["raw"]["msgs_per_s"]
     result["pubsub_ratio"] = (
@@ -370,6 +394,7 @@ def run_bench(
     use_uvloop: bool = True,
     fast_aio: bool = True,
     quick: bool = False,
+    signed: bool = False,
 ) -> dict[str, Any]:
     """Run the benchmark (about 15-25 s on two cores) and return its figures.
 
@@ -379,7 +404,8 @@ def run_bench(
     ``pubsub_ratio`` (ours/raw msgs/s with one message per frame: higher is better).
     ``fast_aio=False`` runs the actor layer's request/reply on pynng's public
     ``asend``/``arecv`` instead of its lean nng_aio path, to isolate the layer's cost.
-    ``quick=True`` is a smoke run (a few seconds; figures are rough).
+    ``quick=True`` is a smoke run (a few seconds; figures are rough). ``signed=True``
+    signs every actor-layer frame (tcp is always signed: see the module docstring).
     """
     if quick:
         requests, warmup, publications, rounds = (
@@ -389,7 +415,7 @@ def run_bench(
             1,
         )
     return RealClock(use_uvloop=use_uvloop).run(
-        _run(requests, warmup, publications, batch, rounds, fast_aio)
+        _run(requests, warmup, publications, batch, rounds, fast_aio, signed)
     )
 
 
@@ -398,7 +424,8 @@ def format_table(result: dict[str, Any]) -> str:
     lines = [
         f"pivot bus benchmark ({result['loop']}, {result['cpus']} CPUs, servers and publishers "
         f"in a second process; {result['requests']} round trips per case"
-        f"{'' if result['fast_aio'] else '; actor layer on pynng public asend/arecv'})",
+        f"{'' if result['fast_aio'] else '; actor layer on pynng public asend/arecv'}"
+        f"; {'every frame' if result['signed'] else 'tcp only'} signed)",
         "",
         f"{'request/reply round trip':<26}{'raw pynng p50 / p99':>22}{'actor layer p50 / p99':>24}{'ours/raw p50 (p99)':>21}",
     ]
@@ -433,12 +460,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve = sub.add_parser("serve")
     serve.add_argument("--folder", required=True)
     serve.add_argument("--public-aio", action="store_true")
+    serve.add_argument("--signed", action="store_true")
     publish = sub.add_parser("publish")
     publish.add_argument("--kind", choices=["raw", "ours"], required=True)
     publish.add_argument("--folder", required=True)
     publish.add_argument("--count", type=int, required=True)
     publish.add_argument("--batch", type=int, default=1)
+    publish.add_argument("--signed", action="store_true")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--signed", action="store_true")
     args = parser.parse_args(argv)
     if args.command in ("serve", "publish"):
         from pivot.bus.child import set_parent_death_signal
@@ -447,11 +477,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         configure_logging("warning")
         clock = RealClock()
         if args.command == "serve":
-            clock.run(_serve(Path(args.folder), not args.public_aio))
+            clock.run(_serve(Path(args.folder), not args.public_aio, args.signed))
         else:
-            clock.run(_publish(args.kind, Path(args.folder), args.count, args.batch))
+            clock.run(_publish(args.kind, Path(args.folder), args.count, args.batch, args.signed))
         return 0
-    result = run_bench()
+    result = run_bench(signed=args.signed)
     print(json.dumps(result, indent=2) if args.json else format_table(result))
     return 0
 

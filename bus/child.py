@@ -6,7 +6,8 @@ Arguments: ``--name``, ``--target module:function``, ``--kwargs JSON`` and
 starts it, writes ``READY <name>`` on stdout (then points stdout at stderr, so that
 nobody blocks on a pipe that is no longer read), and runs until SIGTERM/SIGINT (exit
 0) or until the actor crashes (exit 1). A child stuck after SIGTERM is ended by
-SIGALRM after ``PIVOT_BUS_STOP_GRACE`` seconds (default 10).
+SIGALRM after ``PIVOT_BUS_STOP_GRACE`` seconds (default 10). With ``PIVOT_BUS_STATS_DIR``
+set, it keeps its bus counters in ``<that dir>/<name>.json`` (``pivot.bus.statsfile``).
 
 A child that fails, before READY or after, writes one last line ``FAILED <reason>`` on the
 original pipe (kept open for that), so that its supervisor can say why it died in one line
@@ -26,11 +27,13 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from pivot.bus.actor import Actor
 from pivot.bus.clock import run_real
 from pivot.bus.logs import configure_logging, get_logger
+from pivot.bus.statsfile import STATS_DIR_ENV, BusStatsFile
 
 PR_SET_PDEATHSIG = 1
 
@@ -91,6 +94,17 @@ async def _serve(name: str, target: str, kwargs: dict[str, Any], log) -> int:  #
     sys.stdout.flush()
     _PIPE[0] = os.dup(sys.stdout.fileno())
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    stats_dir = os.environ.get(STATS_DIR_ENV)
+    counters = (
+        BusStatsFile(actor.bus, Path(stats_dir) / f"{name}.json", process=name)
+        if stats_dir
+        else contextlib.nullcontext()
+    )
+    async with counters:  # the last write is after the actor stopped: its final counts
+        return await _run(actor, stop, loop, log)
+
+
+async def _run(actor: Actor, stop: asyncio.Event, loop: asyncio.AbstractEventLoop, log) -> int:  # noqa: ANN001
     stopping = loop.create_task(stop.wait())
     ending = loop.create_task(actor.wait())
     await asyncio.wait([stopping, ending], return_when=asyncio.FIRST_COMPLETED)

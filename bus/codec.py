@@ -15,23 +15,61 @@ Envelopes are msgpack arrays whose first element is the kind:
 ``cid`` is the correlation id of a request (its reply carries it back); for a
 publication it is the publisher's sequence number on that topic, so subscribers can
 count what pub/sub lost. A publication frame starts with its topic and a NUL byte
-because nng's Sub0 filters by prefix. With a secret every frame ends with a 32-byte
-HMAC-SHA256 of everything before it.
+because nng's Sub0 filters by prefix.
+
+Without a secret a frame is the envelope and nothing else. With one, every frame is
+
+    envelope | to | u16 len(to) | u64 incarnation | u64 counter | HMAC-SHA256
+
+(big-endian integers; the HMAC covers everything before it), and these rules hold:
+
+- The *seal* (``to``, ``incarnation``, ``counter``) says who may accept the frame, and
+  once. The sender's name is the envelope's ``sender``, the topic of a publication its
+  prefix: both are covered by the HMAC as well.
+- A request is sealed with its destination's name and the sender's incarnation (a
+  random 64-bit id drawn once per actor instance: a restarted actor is a new one) and
+  a counter that starts at 1 and grows by one with every request to that destination.
+  The receiver drops (and counts) a request sealed for another name (misdirected) and
+  a counter it has seen already from that incarnation, or one that fell below its
+  sliding window of the newest ``REQUEST_WINDOW`` (replayed): requests sent at once
+  may arrive in any order, so the window accepts each counter once in any order
+  (IPsec's anti-replay window).
+- A reply or error reply carries its request's seal unchanged: the requester accepts
+  it only for the request it sent (the same destination, incarnation and counter).
+  Another incarnation's seal is misdirected (it answers someone else); another
+  counter or destination is replayed (it answers another request of ours).
+- A publication is sealed with ``to`` empty, the publisher's incarnation and its
+  sequence number on the topic: a subscriber accepts a (publisher incarnation, topic)
+  sequence number only if it is newer than every one it accepted (pub/sub keeps
+  order), so a replayed publication is dropped and counted.
+- A receiver remembers the ``REPLAY_MEMORY`` incarnations it heard from last; one
+  that restarts forgets them all, so a request recorded before it restarted would be
+  accepted once more. The secret is what keeps everyone else from sealing frames.
 """
 
 from __future__ import annotations
 
 import hmac
 import os
+import stat
+import struct
 from collections.abc import Iterable, Sequence
 from enum import IntEnum
-from typing import Any, Union
+from functools import cache
+from typing import Any, NamedTuple, Union
 
 import msgspec
 
-from pivot.bus.errors import BadSignature, FrameError
+from pivot.bus.errors import BadSignature, FrameError, SecretError
 
 MAC_SIZE = 32
+_FIELDS = struct.Struct(">HQQ")  # len(to), incarnation, counter: just before the HMAC
+TRAILER_SIZE = _FIELDS.size + MAC_SIZE  # a secured frame's trailer, without ``to``
+#: how many counters below the newest one a receiver still accepts, each once
+REQUEST_WINDOW = 1024
+#: how many sender incarnations (requests) or (incarnation, topic) pairs (publications) a
+#: receiver remembers; the least recently heard is forgotten first
+REPLAY_MEMORY = 4096
 
 
 class Kind(IntEnum):
@@ -101,37 +139,65 @@ def _tag_of(cls: type) -> Any:
 #: The environment variable that holds a job's shared secret: every process of the job (the
 #: parent and each child, which inherit it) signs and checks its frames with it.
 SECRET_ENV = "PIVOT_SECRET"
+#: The environment variable naming a file that holds the secret instead (kept out of the
+#: environment, which other tools may print): only its owner may read it.
+SECRET_FILE_ENV = "PIVOT_SECRET_FILE"
 
 
 def job_secret() -> str | None:
-    """The job's shared secret from the environment (None: frames are not signed)."""
-    return os.environ.get(SECRET_ENV) or None
+    """The job's shared secret from the environment (None: frames are not signed).
+
+    ``SECRET_ENV`` holds it, or ``SECRET_FILE_ENV`` names a file that does (read once,
+    surrounding whitespace stripped). Raises ``SecretError`` when both are set, or the
+    file is missing, empty, or readable by other users.
+    """
+    value = os.environ.get(SECRET_ENV)
+    path = os.environ.get(SECRET_FILE_ENV)
+    if value and path:
+        raise SecretError(f"set {SECRET_ENV} or {SECRET_FILE_ENV}, not both")
+    if path:
+        return _secret_from_file(path)
+    return value or None
 
 
-def seal(payload: bytes, secret: bytes | None) -> bytes:
-    if secret is None:
-        return payload
-    return payload + hmac.digest(secret, payload, "sha256")
+@cache
+def _secret_from_file(path: str) -> str:
+    where = f"{SECRET_FILE_ENV}={path}"
+    try:
+        with open(path, "rb") as file:
+            mode = os.fstat(file.fileno()).st_mode
+            raw = file.read()
+    except OSError as exc:
+        raise SecretError(f"cannot read the secret file {where}: {exc.strerror}") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise SecretError(
+            f"the secret file {where} is open to other users (mode {stat.S_IMODE(mode):o}); "
+            f"chmod 600 it"
+        )
+    try:
+        secret = raw.decode().strip()
+    except UnicodeDecodeError:
+        raise SecretError(f"the secret file {where} is not UTF-8 text") from None
+    if not secret:
+        raise SecretError(f"the secret file {where} is empty")
+    return secret
 
 
-def unseal(frame: bytes | memoryview, secret: bytes | None) -> memoryview | bytes:
-    """Return the payload of ``frame``, checking its HMAC when there is a secret."""
-    if secret is None:
-        return frame
-    if len(frame) < MAC_SIZE:
-        raise BadSignature(f"frame of {len(frame)} bytes is too short to carry an HMAC")
-    view = memoryview(frame)
-    payload = view[:-MAC_SIZE]
-    if not hmac.compare_digest(hmac.digest(secret, payload, "sha256"), view[-MAC_SIZE:]):
-        raise BadSignature("frame HMAC does not match the shared secret")
-    return payload
+class Seal(NamedTuple):
+    """Who may accept a signed frame, and once: see the module docstring."""
+
+    to: str
+    incarnation: int
+    counter: int
 
 
 class Codec:
     """Encodes and decodes the bus's envelopes for a fixed set of message types.
 
     ``messages``: the application's tagged Struct types. ``secret``: when given, every
-    frame is signed with HMAC-SHA256 and frames that fail the check are rejected.
+    frame is sealed (``Seal``) and signed with HMAC-SHA256, and frames that fail the
+    check are rejected; whether a seal may be accepted is the receiving actor's call
+    (see the module docstring).
     """
 
     def __init__(
@@ -205,42 +271,113 @@ class Codec:
 
     # -- encoding: tuples encode to the same arrays as the envelope Structs, cheaper
 
-    def encode_request(self, sender: str, cid: int, message: msgspec.Struct) -> bytes:
-        return seal(self._encode((0, sender, cid, message)), self.secret)
+    # ``seal`` is ignored without a secret and required with one (see the module docstring)
 
-    def encode_reply(self, sender: str, cid: int, message: msgspec.Struct | None) -> bytes:
-        return seal(self._encode((1, sender, cid, message)), self.secret)
+    def encode_request(
+        self, sender: str, cid: int, message: msgspec.Struct, seal: Seal | None = None
+    ) -> bytes:
+        return self._seal(self._encode((0, sender, cid, message)), seal)
 
-    def encode_error(self, sender: str, cid: int, code: str, error_type: str, text: str) -> bytes:
+    def encode_reply(
+        self, sender: str, cid: int, message: msgspec.Struct | None, seal: Seal | None = None
+    ) -> bytes:
+        """``seal``: the request's, unchanged."""
+        return self._seal(self._encode((1, sender, cid, message)), seal)
+
+    def encode_error(
+        self,
+        sender: str,
+        cid: int,
+        code: str,
+        error_type: str,
+        text: str,
+        seal: Seal | None = None,
+    ) -> bytes:
+        """``seal``: the request's, unchanged."""
         failure = RemoteFailure(code=code, error_type=error_type, text=text)
-        return seal(self._encode((2, sender, cid, failure)), self.secret)
+        return self._seal(self._encode((2, sender, cid, failure)), seal)
 
     def encode_publish(
-        self, sender: str, topic: bytes, seq: int, messages: Sequence[msgspec.Struct]
+        self,
+        sender: str,
+        topic: bytes,
+        seq: int,
+        messages: Sequence[msgspec.Struct],
+        incarnation: int = 0,
     ) -> bytes:
-        """``topic`` is the encoded topic prefix (see ``topic_prefix``)."""
-        return seal(topic + self._encode((3, sender, seq, messages)), self.secret)
+        """``topic`` is the encoded topic prefix (see ``topic_prefix``); ``incarnation``
+        the publisher's (needed with a secret)."""
+        payload = topic + self._encode((3, sender, seq, messages))
+        if self.secret is None:
+            return payload
+        return self._seal(payload, Seal("", incarnation, seq))
+
+    def _seal(self, payload: bytes, seal: Seal | None) -> bytes:
+        secret = self.secret
+        if secret is None:
+            return payload
+        if seal is None:
+            raise ValueError("a codec with a secret seals every frame: pass its Seal")
+        to = seal.to.encode()
+        signed = b"".join((payload, to, _FIELDS.pack(len(to), seal.incarnation, seal.counter)))
+        return signed + hmac.digest(secret, signed, "sha256")
 
     # -- decoding
 
-    def decode_request(self, frame: bytes) -> Any:
-        payload = unseal(frame, self.secret)
+    def unseal(self, frame: bytes | memoryview) -> tuple[bytes | memoryview, Seal | None]:
+        """The envelope's bytes of ``frame`` and its seal, once the HMAC checks out
+        (``BadSignature`` if not). Without a secret: the frame itself and None."""
+        secret = self.secret
+        if secret is None:
+            return frame, None
+        if len(frame) < TRAILER_SIZE:
+            raise BadSignature(f"frame of {len(frame)} bytes is too short to carry a seal")
+        view = memoryview(frame)
+        if not hmac.compare_digest(
+            hmac.digest(secret, view[:-MAC_SIZE], "sha256"), view[-MAC_SIZE:]
+        ):
+            raise BadSignature("frame HMAC does not match the shared secret")
+        fields_at = len(view) - TRAILER_SIZE
+        size, incarnation, counter = _FIELDS.unpack_from(view, fields_at)
+        end = fields_at - size
+        if end < 0:
+            raise BadSignature("signed frame with a seal longer than the frame")
+        to = ""
+        if size:  # publications have none
+            try:
+                to = bytes(view[end:fields_at]).decode()
+            except UnicodeDecodeError:
+                raise BadSignature("signed frame with a destination that is not UTF-8") from None
+        return view[:end], Seal(to, incarnation, counter)
+
+    def request_of(self, payload: bytes | memoryview) -> Any:
+        """The ``RequestEnvelope`` of an unsealed frame."""
         try:
             return self._request.decode(payload)
         except _UNDECODABLE as exc:
             raise _frame_error(payload, exc) from None
 
-    def decode_reply(self, frame: bytes) -> Any:
-        """A ``ReplyEnvelope`` or an ``ErrorEnvelope``."""
-        payload = unseal(frame, self.secret)
+    def reply_of(self, payload: bytes | memoryview) -> Any:
+        """The ``ReplyEnvelope`` or ``ErrorEnvelope`` of an unsealed frame."""
         try:
             return self._reply.decode(payload)
         except _UNDECODABLE as exc:
             raise _frame_error(payload, exc) from None
 
+    def decode_request(self, frame: bytes) -> Any:
+        """Unseal and decode; the seal is not checked against anyone (the actor does)."""
+        return self.request_of(self.unseal(frame)[0])
+
+    def decode_reply(self, frame: bytes) -> Any:
+        """A ``ReplyEnvelope`` or an ``ErrorEnvelope``; the seal is not checked."""
+        return self.reply_of(self.unseal(frame)[0])
+
     def decode_publish(self, frame: bytes) -> tuple[str, Any]:
-        """``(topic, PublishEnvelope)``."""
-        payload = unseal(frame, self.secret)
+        """``(topic, PublishEnvelope)``; the seal is not checked."""
+        return self.publication_of(self.unseal(frame)[0])
+
+    def publication_of(self, payload: bytes | memoryview) -> tuple[str, Any]:
+        """``(topic, PublishEnvelope)`` of an unsealed frame."""
         view = memoryview(payload)
         end = bytes(view[:256]).find(b"\0")
         if end < 0:

@@ -1,7 +1,8 @@
 """The errors the bus raises: one small hierarchy rooted at ``BusError``.
 
 Callers of ``Actor.request`` catch three of them: ``RequestTimeout`` (no reply in
-time, which is also what a frame dropped for a bad HMAC looks like to its sender),
+time, which is also what a request dropped for a bad HMAC, as replayed or as meant for
+another actor looks like to its sender),
 ``RemoteError`` (the remote answered with an error: its handler raised, or it could
 not decode or did not handle the message) and ``Unreachable`` (no such actor, or
 nothing listening at its address).
@@ -70,15 +71,22 @@ class BadSignature(FrameError):
 
 
 class InsecureBindError(BusError):
-    """Refused to bind a non-loopback address without a shared secret."""
+    """Refused to bind a tcp address without a shared secret."""
 
     def __init__(self, address: str) -> None:
+        from pivot.bus.codec import SECRET_ENV, SECRET_FILE_ENV  # codec imports this module
+
         self.address = address
         super().__init__(
-            f"refusing to bind {address!r}: it is not a loopback or ipc:// address and "
-            "no shared secret is set; pass secret=... to the Codec (every frame is then "
-            "signed with HMAC-SHA256) or bind 127.0.0.1 / ipc://"
+            f"refusing to bind {address!r} without a shared secret: every user of the "
+            f"host (and, off loopback, of the network) can connect to a tcp port; set "
+            f"{SECRET_ENV} or {SECRET_FILE_ENV} (or pass secret=... to the Codec) so "
+            "that every frame is signed, or bind ipc://"
         )
+
+
+class SecretError(BusError, ValueError):
+    """The job's shared secret cannot be read (a bad secret file, or two sources)."""
 
 
 class AddressError(BusError):

@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from pivot.bus.errors import AddressError, RequestTimeout, Unreachable
+from pivot.bus.stats import BusStats
 from pivot.bus.transport import FrameHandler, FrameSink
 
 
@@ -31,8 +32,16 @@ class LocalTransport:
         self._subscribers: list[_LocalSubscriber] = []
 
     async def serve(
-        self, name: str, handler: FrameHandler, *, concurrency: int, secured: bool
+        self,
+        name: str,
+        handler: FrameHandler,
+        *,
+        concurrency: int,
+        secured: bool,
+        stats: BusStats,
     ) -> _LocalServer:
+        # a reply is handed over through a future at once: none is ever abandoned, so
+        # ``stats`` has nothing to count here
         if name in self._servers:
             raise AddressError(
                 f"an actor named {name!r} is already serving on this local transport"

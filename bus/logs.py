@@ -75,3 +75,9 @@ def get_logger(**bound: Any) -> Any:
     may take one at import, before ``configure_logging`` runs, and its lines still follow the
     configuration (binding at import would fix structlog's defaults: text on stdout)."""
     return structlog.get_logger("pivot.bus", **bound)
+
+
+def worth_logging(count: int) -> bool:
+    """Whether the ``count``-th occurrence of a repeated event gets a log line: the 1st, 2nd,
+    4th, 8th... so that a flood of bad frames does not become a flood of log lines."""
+    return count & (count - 1) == 0

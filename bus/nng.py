@@ -4,7 +4,9 @@ publications; ipc:// on one host, tcp:// across hosts, inproc:// in tests.
 - A server is one Rep0 socket with ``concurrency`` contexts, each served by one
   long-lived task: no task per request, and up to ``concurrency`` handlers run at once.
 - Requests to an actor go through one Req0 socket per destination and a pool of
-  contexts (one per request in flight), reused; nng enforces the timeout.
+  contexts (one per request in flight), reused; nng enforces the timeout, resends a
+  request whose connection dropped, but not one that is slow to be answered (it would
+  run twice).
 - Pub0 and Sub0 buffers are set to 8192 frames (nng's maximum; the defaults of 16
   and 128 lose most of a burst). Pub/sub still drops whatever a slow subscriber cannot
   absorb, and a subscriber misses what was published before its connection was up
@@ -26,7 +28,8 @@ import pynng
 from pivot.bus import _nngaio
 from pivot.bus.clock import VirtualEventLoop
 from pivot.bus.errors import AddressError, BusError, RequestTimeout, Unreachable
-from pivot.bus.logs import get_logger
+from pivot.bus.logs import get_logger, worth_logging
+from pivot.bus.stats import BusStats
 from pivot.bus.transport import (
     Directory,
     Endpoint,
@@ -41,8 +44,18 @@ PUBSUB_BUFFER = 8192  # frames; nng rejects anything larger
 #: header announcing gigabytes costs nothing; a job's largest frames, its training batches,
 #: stay far below this (weights travel through the GPS store, not the bus).
 MAX_FRAME = int(os.environ.get("PIVOT_BUS_MAX_FRAME", 256 << 20))
+#: How long a reply may wait to be sent (``PIVOT_BUS_REPLY_TIMEOUT`` seconds for a job). A peer
+#: that sends requests and never reads the replies fills the socket buffers; past this the
+#: reply is abandoned (``BusStats.reply_timeouts``) and its context serves the next request,
+#: where it would otherwise wait forever and, with every context stuck, wedge the actor.
+REPLY_TIMEOUT = float(os.environ.get("PIVOT_BUS_REPLY_TIMEOUT", 5.0))
 _RECONNECT_MIN_MS = 10
 _RECONNECT_MAX_MS = 1000
+# nng's Req0 sends a request again after a minute without a reply (its default): a slow
+# handler would run twice, and with a secret the copy is dropped as a replay. A day is
+# longer than any request's timeout. Not "never" (-1): then a request whose connection
+# drops fails at once instead of going out again once the peer is back.
+_RESEND_MS = 24 * 3600 * 1000
 _PIPE_WAIT_S = 0.2  # how long a request waits for a (re)connected pipe before Unreachable
 _DRAIN_BURST = 256  # frames handled before yielding to other tasks
 
@@ -65,10 +78,16 @@ class NngTransport:
     """
 
     def __init__(
-        self, directory: Directory, *, fast_aio: bool = True, max_frame: int = MAX_FRAME
+        self,
+        directory: Directory,
+        *,
+        fast_aio: bool = True,
+        max_frame: int = MAX_FRAME,
+        reply_timeout: float = REPLY_TIMEOUT,
     ) -> None:
         self.directory = directory
         self.max_frame = max_frame
+        self.reply_timeout = reply_timeout
         self._fast = fast_aio and _nngaio.AVAILABLE
         self._peers: dict[str, _Peer] = {}
         self._connecting: dict[str, asyncio.Future[_Peer]] = {}
@@ -94,7 +113,13 @@ class NngTransport:
     # -- serving
 
     async def serve(
-        self, name: str, handler: FrameHandler, *, concurrency: int, secured: bool
+        self,
+        name: str,
+        handler: FrameHandler,
+        *,
+        concurrency: int,
+        secured: bool,
+        stats: BusStats,
     ) -> _NngServer:
         self._check_loop()
         endpoint = self._endpoint(name)
@@ -108,7 +133,15 @@ class NngTransport:
         address = _bound_address(endpoint.rep, listener)
         if address != endpoint.rep:
             self.directory.add(name, Endpoint(rep=address, pub=self._endpoint(name).pub))
-        server = _NngServer(sock, address, handler, max(1, concurrency), self._fast)
+        server = _NngServer(
+            sock,
+            address,
+            handler,
+            max(1, concurrency),
+            self._fast,
+            reply_timeout_ms=max(1, int(self.reply_timeout * 1000)),
+            stats=stats,
+        )
         self._track(server)
         return server
 
@@ -176,6 +209,7 @@ class NngTransport:
             reconnect_time_min=_RECONNECT_MIN_MS,
             reconnect_time_max=_RECONNECT_MAX_MS,
             recv_max_size=self.max_frame,
+            resend_time=_RESEND_MS,
         )
         try:
             # a blocking dial answers "refused" at once for ipc/loopback; in a thread so
@@ -301,11 +335,21 @@ class _Peer:
 
 class _NngServer:
     def __init__(
-        self, sock: pynng.Rep0, address: str, handler: FrameHandler, concurrency: int, fast: bool
+        self,
+        sock: pynng.Rep0,
+        address: str,
+        handler: FrameHandler,
+        concurrency: int,
+        fast: bool,
+        *,
+        reply_timeout_ms: int,
+        stats: BusStats,
     ) -> None:
         self.address = address
         self._sock = sock
         self._handler = handler
+        self._reply_timeout_ms = reply_timeout_ms
+        self._stats = stats
         self._slots = [
             _ContextSlot(sock.new_context(), _nngaio.new_slot(fast)) for _ in range(concurrency)
         ]
@@ -332,11 +376,24 @@ class _NngServer:
             # sender times out
             if reply is not None:
                 try:
-                    await aio.send_ctx(ctx, reply)
+                    await aio.send_ctx(ctx, reply, self._reply_timeout_ms)
                 except pynng.Closed:
                     return
+                except pynng.Timeout:
+                    self._reply_timed_out()
                 except pynng.NNGException as exc:
                     log.warning("reply not sent", address=self.address, error=str(exc))
+
+    def _reply_timed_out(self) -> None:
+        stats = self._stats
+        stats.reply_timeouts += 1
+        if worth_logging(stats.reply_timeouts):
+            log.warning(
+                "reply abandoned: the requester is not reading its replies",
+                address=self.address,
+                timeout_s=self._reply_timeout_ms / 1000,
+                count=stats.reply_timeouts,
+            )
 
     async def close(self) -> None:
         if self._closed:

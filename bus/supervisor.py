@@ -40,6 +40,7 @@ from pivot.bus.actor import Actor
 from pivot.bus.clock import Clock, RealClock
 from pivot.bus.errors import BusError
 from pivot.bus.logs import get_logger
+from pivot.bus.statsfile import STATS_DIR_ENV
 
 ActorFactory = Callable[[], Actor | Awaitable[Actor]]
 
@@ -300,10 +301,13 @@ class Supervisor:
         clock: Clock | None = None,
         policy: RestartPolicy | None = None,
         name: str = "supervisor",
+        stats_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         self.clock: Clock = clock if clock is not None else RealClock()
         self.policy = policy if policy is not None else RestartPolicy()
         self.name = name
+        # each process child keeps its bus counters in stats_dir/<name>.json
+        self._child_env = {STATS_DIR_ENV: os.fspath(stats_dir)} if stats_dir is not None else {}
         self.events: deque[SupervisorEvent] = deque(maxlen=10_000)
         self._listeners: list[Callable[[SupervisorEvent], None]] = []
         self.log = get_logger(actor=name)
@@ -356,7 +360,7 @@ class Supervisor:
             target,
             kwargs or {},
             policy or self.policy,
-            env,
+            {**self._child_env, **(env or {})},
             ready_timeout,
             stop_timeout,
             restart_kwargs,

@@ -14,16 +14,15 @@ layer above it encodes, signs, decodes and dispatches. Two backends implement it
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
-from urllib.parse import urlsplit
 
 import msgspec
 
 from pivot.bus.errors import AddressError, InsecureBindError, Unreachable
+from pivot.bus.stats import BusStats
 
 FrameHandler = Callable[[bytes], Awaitable[bytes | None]]
 FrameSink = Callable[[bytes], None]
@@ -55,8 +54,17 @@ class Subscriber(Protocol):
 
 class Transport(Protocol):
     async def serve(
-        self, name: str, handler: FrameHandler, *, concurrency: int, secured: bool
-    ) -> Server: ...
+        self,
+        name: str,
+        handler: FrameHandler,
+        *,
+        concurrency: int,
+        secured: bool,
+        stats: BusStats,
+    ) -> Server:
+        """Serve ``name``'s requests with ``handler``; what the transport itself drops or
+        abandons (a reply its requester never reads) is counted in ``stats``."""
+        ...
 
     async def request(self, to: str, frame: bytes, timeout: float) -> bytes: ...
 
@@ -159,22 +167,9 @@ def validate_address(address: str) -> None:
         )
 
 
-def is_local_address(address: str) -> bool:
-    """True for ipc://, inproc:// and tcp on a loopback host."""
-    scheme = address.partition("://")[0]
-    if scheme in ("ipc", "inproc"):
-        return True
-    host = urlsplit(address).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a name, "*" or empty: may resolve to anything
-
-
 def check_bind_address(address: str, *, secured: bool) -> None:
-    """Refuse a non-loopback bind without a shared secret (``InsecureBindError``)."""
+    """Refuse a tcp bind without a shared secret (``InsecureBindError``): on loopback too,
+    since any local user can connect to it; ipc:// is guarded by its folder's mode."""
     validate_address(address)
-    if not secured and not is_local_address(address):
+    if not secured and address.partition("://")[0].startswith("tcp"):
         raise InsecureBindError(address)

@@ -62,7 +62,7 @@ async def bench(
     from pivot.actors.trainer_deepspeed import add_trainer_group
     from pivot.actors.trainer_messages import OffloadTrainer, ReloadTrainer, TrainBatch
     from pivot.actors.vocabulary import rl_messages
-    from pivot.bus import Actor, Bus, Directory, Supervisor
+    from pivot.bus import Actor, Bus, Directory, Supervisor, job_secret
 
     run = Path(run_dir)
     names = trainer_names("trainer", world_size)
@@ -82,7 +82,8 @@ async def bench(
     )
     await supervisor.start()
     startup = time.perf_counter() - started
-    bus = Bus.nng(directory, rl_messages())
+    # the ranks sign with the job's secret when one is set: the probe must too
+    bus = Bus.nng(directory, rl_messages(), secret=job_secret())
     probe = Actor("bench", bus)
     await probe.start()
     samples = bench_samples()

@@ -38,7 +38,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_bench_bus(args: argparse.Namespace) -> int:
     from pivot.bus import bench
 
-    result = bench.run_bench(quick=args.quick)
+    result = bench.run_bench(quick=args.quick, signed=args.signed)
     print(json.dumps(result, sort_keys=True) if args.json else bench.format_table(result))
     return 0
 
@@ -114,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = bsub.add_parser("bus", help="actor layer vs raw pynng: round trip and pub/sub rate")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
+    p.add_argument("--signed", action="store_true", help="sign every frame (tcp is always signed)")
     p.set_defaults(func=_cmd_bench_bus)
     p = bsub.add_parser("planner", help="planner decision time at 16..1024 devices")
     p.add_argument("--json", action="store_true", help="print one JSON object")

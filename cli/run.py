@@ -48,7 +48,9 @@ from pivot.actors.vocabulary import rl_messages
 from pivot.assets import ASSETS
 from pivot.bus import Bus, Directory, RestartPolicy, Supervisor, configure_logging, run_real
 from pivot.bus.codec import job_secret
+from pivot.bus.errors import SecretError
 from pivot.bus.sockets import make_socket_dir, remove_orphaned_socket_dirs
+from pivot.bus.statsfile import BusStatsFile, read_stats_dir, trouble
 from pivot.bus.supervisor import SupervisorEscalation
 from pivot.cli.inputs import EVAL_IDS, Inputs, read_inputs
 from pivot.cli.interrupts import Interrupted, signal_of
@@ -72,10 +74,17 @@ from pivot.cli.runconfig import (
 from pivot.cli.tracking import NoTracker, Tracker, open_tracker
 from pivot.cluster import Role, RoleSpec
 from pivot.config import ConfigError, blame_overrides, load_toml
-from pivot.engines.checkpoint import DecoderSpec, FallbackSpec, inspect_checkpoint
+from pivot.engines.checkpoint import (
+    DecoderSpec,
+    FallbackSpec,
+    ModelShape,
+    inspect_checkpoint,
+    model_shape,
+)
 from pivot.engines.protocol import SamplingParams
 from pivot.engines.tokenizer import TextCodec
 from pivot.job import JobConfig
+from pivot.memory import estimate_memory, gib
 from pivot.planning.cost import CostModel
 from pivot.planning.routing import RouterSettings, make_router
 from pivot.prompts import JudgePrompt
@@ -86,6 +95,9 @@ from pivot.timeline import RoleSample, ShiftMark, TrainSpan
 TINY_CPU_COST = CostModel(a=2e-7, b=1e-3, c=5e-5, d=5e-4)
 
 _SHORT = {"rollout": "RO", "reward": "RM", "training": "TR"}
+
+#: The run dir's folder of bus counters, one file per process (docs/metrics.md).
+BUS_STATS = "bus"
 
 
 def resolve_model(name: str, source: str, key: str) -> Path:
@@ -263,7 +275,10 @@ class Job:
             interval=0.1,
         )
         control = self.job.control
-        sup = Supervisor(policy=RestartPolicy(max_restarts=2, window=60.0))
+        sup = Supervisor(
+            policy=RestartPolicy(max_restarts=2, window=60.0), stats_dir=run_dir / BUS_STATS
+        )
+        counters = BusStatsFile(self.bus, run_dir / BUS_STATS / "main.json", process="main")
         self.assembly = assemble(
             d,
             self.bus,
@@ -305,6 +320,7 @@ class Job:
         )
         driver = self.assembly.driver
         sup.install_signal_handlers()
+        counters.start()
         try:
             try:
                 await sup.start()
@@ -323,6 +339,7 @@ class Job:
         finally:
             await sup.stop()
             remove_store(self.backend.store)  # the job's: it outlived every trainer rank
+            await counters.close()  # the children wrote their final counts as they stopped
             await self.bus.close()
             sup.remove_signal_handlers()
             metrics.close()
@@ -408,6 +425,16 @@ def write_plot(runner: Job | None, run_dir: Path, kind: str) -> Path | None:
     )
 
 
+def bus_trouble_line(run_dir: Path) -> str | None:
+    """One line of the bus counters that say traffic was lost, refused or late, summed over
+    the job's processes (None when all are zero)."""
+    folder = run_dir / BUS_STATS
+    counts = trouble(read_stats_dir(folder))
+    if not counts:
+        return None
+    return "bus: " + ", ".join(f"{n} {name}" for name, n in counts.items()) + f" (see {folder})"
+
+
 def scores_text(scores: Scores) -> str:
     """A step's (or an evaluation's) scores in a line: the mean reward over the samples
     scored, the failed rewards and their causes, the checker's accuracy and the GenRM's
@@ -434,8 +461,9 @@ def prepare(
     steps: int | None = None,
 ) -> tuple[JobConfig, Path, Path | None, Inputs]:
     """The job's config with command-line overrides (``key=value``; the flags are overrides
-    too, applied last), validated, its model folders, its data and its reward code, all read
-    before any child process starts."""
+    too, applied last), validated, its model folders, its memory estimate (refused when over
+    what this host has available), its data and its reward code, all read before any child
+    process starts."""
     overrides = [*overrides, *flag_overrides(seed=seed, deployment=deployment, steps=steps)]
     job = load_toml(config, JobConfig, overrides)
     try:
@@ -449,6 +477,7 @@ def prepare(
         else None
     )
     codecs = {}  # each role's tokenizer, read once by its model's check
+    shapes = {}
     for role, folder, key, tokens in (
         (Role.ROLLOUT, policy, "rollout.max_new_tokens", job.rollout.max_new_tokens),
         (Role.REWARD, genrm, "reward.max_new_tokens", job.reward.max_new_tokens),
@@ -456,6 +485,7 @@ def prepare(
         if folder is None:
             continue
         spec, codecs[role] = check_model(folder)
+        shapes[role] = model_shape(folder)
         positions = getattr(spec, "max_position_embeddings", None)
         if positions is not None and tokens >= positions:
             raise ConfigError(
@@ -473,6 +503,7 @@ def prepare(
             f"at most {most} (8 per CPU core here: each device is a process)",
             f"int {job.cluster.devices}",
         )
+    check_memory(job, shapes, config)
     inputs = read_inputs(job, config)
     if job.reward.system_prompt and not codecs[Role.REWARD].has_chat_template:
         raise ConfigError(
@@ -482,6 +513,34 @@ def prepare(
             f"none in {genrm}",
         )
     return job, policy, genrm, inputs
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this host can give a new job without swapping (``MemAvailable`` in
+    /proc/meminfo); None where the kernel does not say."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def check_memory(
+    job: JobConfig, shapes: dict[Role, ModelShape], config: str, available: int | None = None
+) -> None:
+    """Refuse a job whose memory estimate (``pivot.memory``) exceeds what this host has
+    available, in one line giving the estimate and its largest parts."""
+    if available is None:
+        available = available_memory()
+    estimate = estimate_memory(job, shapes)
+    if available is not None and estimate.total > available:
+        raise ConfigError(
+            config,
+            "",
+            f"a job that fits in the {gib(available)} of memory available here "
+            "(MemAvailable in /proc/meminfo)",
+            f"an estimated {estimate.describe()} (pivot.memory)",
+        )
 
 
 def check_model(folder: Path) -> tuple[DecoderSpec | FallbackSpec, TextCodec]:
@@ -524,6 +583,11 @@ def main(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
 
+    try:  # a bad secret file is refused before anything is written or started
+        job_secret()
+    except SecretError as exc:
+        print(f"pivot: {exc}", file=sys.stderr)
+        return 2
     overrides = [*args.overrides, *flag_overrides(seed=args.seed, deployment=args.deployment)]
     resume = None
     if args.resume is not None:
@@ -621,6 +685,8 @@ def main(args: argparse.Namespace) -> int:
             style="red",
             soft_wrap=True,
         )
+        if (line := bus_trouble_line(run_dir)) is not None:
+            console.print(line, style="yellow")
         return 1
     finally:
         tracker.close()
@@ -649,6 +715,8 @@ def main(args: argparse.Namespace) -> int:
         + f"logs {run_dir / 'actors.log'}"
         + (f", tensorboard --logdir {run_dir / 'tensorboard'}" if job.log.tensorboard else "")
     )
+    if (line := bus_trouble_line(run_dir)) is not None:
+        console.print(line, style="yellow")
     saved = [r.checkpoint for r in reports if r.checkpoint]
     if saved:
         console.print(

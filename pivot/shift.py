@@ -475,6 +475,31 @@ def _valid_replicas(
     return valid, claims
 
 
+def _rejoin_pool(
+    spec: ClusterSpec, agents: Sequence[AgentView], join: list[ShiftCommand], problems: list[str]
+) -> list[AgentView]:
+    """The trainer holds its pool and some pool agents say so while the others are free (an
+    agent restarted while the trainer trained): the free ones take the training role again.
+    Returns the views as they will be."""
+    pool = tuple(sorted(spec.trainer_pool))
+    views = [v for v in agents if v.device in pool]
+    training = [v for v in views if v.reachable and v.role is Role.TRAINING]
+    free = [v for v in views if v.reachable and v.role is Role.FREE]
+    if not training or len(training) + len(free) != len(pool) or not free:
+        return list(agents)
+    replica = training[0].replica
+    if replica is None or any(v.replica != replica or v.devices != pool for v in training):
+        return list(agents)
+    rejoined = {}
+    for view in free:
+        problems.append(f"agent {view.agent!r} of the trainer pool is free while it trains")
+        join.append(AcquireDevice(view.device, Role.TRAINING, replica, pool))
+        rejoined[view.device] = msgspec.structs.replace(
+            view, role=Role.TRAINING, replica=replica, devices=pool
+        )
+    return [rejoined.get(v.device, v) for v in agents]
+
+
 def reconcile(
     spec: ClusterSpec,
     agents: Sequence[AgentView],
@@ -490,11 +515,13 @@ def reconcile(
     pool's agents.
     """
     problems: list[str] = []
-    valid, claims = _valid_replicas(spec, agents, problems)
-    by_device = {v.device: v for v in agents}
     evacuate: list[ShiftCommand] = []
     release: list[ShiftCommand] = []
     join: list[ShiftCommand] = []
+    if trainer_holds_pool and spec.trainer_pool:
+        agents = _rejoin_pool(spec, agents, join, problems)
+    valid, claims = _valid_replicas(spec, agents, problems)
+    by_device = {v.device: v for v in agents}
     for replica_id, views in sorted(claims.items()):
         if replica_id not in valid:
             release.extend(ReleaseDevice(v.device, replica_id) for v in views)

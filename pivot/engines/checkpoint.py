@@ -12,6 +12,7 @@ config.json's ``architectures`` names that model type's causal-LM class. A malfo
 
     inspect_checkpoint(folder) -> (DecoderSpec | FallbackSpec, [weight files])
                                                                    raises CheckpointError
+    model_shape(folder) -> ModelShape      what the model's memory depends on (pivot.memory)
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import ast
 import functools
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import msgspec
@@ -228,14 +230,9 @@ def eos_token_ids(config: dict) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
 
 
-def inspect_checkpoint(path: str | Path) -> tuple[DecoderSpec | FallbackSpec, list[Path]]:
-    """The spec of a Hugging Face checkpoint folder (``engine_spec``: which engine serves it)
-    and the files of its weights.
-
-    Reads config.json (eos from generation_config.json when config.json has none) and finds
-    model.safetensors or the shards listed in model.safetensors.index.json.
-    """
-    folder = Path(path)
+def read_config(folder: Path) -> dict:
+    """A checkpoint folder's config.json as a dict (eos from generation_config.json when
+    config.json has none); a missing or unreadable one is a ``CheckpointError``."""
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise CheckpointError(str(folder), "", "a Hugging Face checkpoint folder", "no config.json")
@@ -250,7 +247,19 @@ def inspect_checkpoint(path: str | Path) -> tuple[DecoderSpec | FallbackSpec, li
     gen_path = folder / "generation_config.json"
     if config.get("eos_token_id") is None and gen_path.is_file():
         config["eos_token_id"] = json.loads(gen_path.read_text()).get("eos_token_id")
-    spec = engine_spec(config, source=str(config_path))
+    return config
+
+
+def inspect_checkpoint(path: str | Path) -> tuple[DecoderSpec | FallbackSpec, list[Path]]:
+    """The spec of a Hugging Face checkpoint folder (``engine_spec``: which engine serves it)
+    and the files of its weights.
+
+    Reads config.json (eos from generation_config.json when config.json has none) and finds
+    model.safetensors or the shards listed in model.safetensors.index.json.
+    """
+    folder = Path(path)
+    config = read_config(folder)
+    spec = engine_spec(config, source=str(folder / "config.json"))
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -281,3 +290,99 @@ def _check_header(path: Path) -> None:
         raise CheckpointError(
             str(path), "", "a safetensors file", f"unreadable ({str(exc)[:120]})"
         ) from None
+
+
+class ModelShape(msgspec.Struct, frozen=True, kw_only=True):
+    """What a model's memory depends on (``pivot.memory``): its parameters, and the sizes
+    that set what a cached position and a token in a forward cost. ``model_shape`` reads it."""
+
+    parameters: int
+    layers: int
+    hidden_size: int
+    intermediate_size: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_positions: int
+
+
+def decoder_parameters(spec: DecoderSpec) -> int:
+    """The parameters of a ``DecoderSpec`` model, counted from its config as pivot's engine
+    lays them out (embedding, untied head, per layer q/k/v/o, gated MLP, norms)."""
+    q = spec.num_attention_heads * spec.head_dim
+    kv = spec.num_key_value_heads * spec.head_dim
+    h, i = spec.hidden_size, spec.intermediate_size
+    per_layer = (q + 2 * kv) * h + h * q + 3 * h * i + 2 * h
+    if spec.attention_bias:
+        per_layer += q + 2 * kv
+    if spec.qk_norm:
+        per_layer += 2 * spec.head_dim
+    head = 0 if spec.tie_word_embeddings else spec.vocab_size * h
+    return spec.vocab_size * h + head + spec.num_hidden_layers * per_layer + h
+
+
+def model_shape(path: str | Path) -> ModelShape:
+    """A checkpoint folder's ``ModelShape``. Pivot's engine families are counted from
+    config.json alone (the weights are not read); a fallback model's parameters are counted
+    from its weight files' headers, its sizes read from config.json (or its ``text_config``),
+    a size it does not give counting 0."""
+    folder = Path(path)
+    spec, files = inspect_checkpoint(folder)
+    if isinstance(spec, DecoderSpec):
+        return ModelShape(
+            parameters=decoder_parameters(spec),
+            layers=spec.num_hidden_layers,
+            hidden_size=spec.hidden_size,
+            intermediate_size=spec.intermediate_size,
+            heads=spec.num_attention_heads,
+            kv_heads=spec.num_key_value_heads,
+            head_dim=spec.head_dim,
+            vocab_size=spec.vocab_size,
+            max_positions=spec.max_position_embeddings,
+        )
+    config = read_config(folder)
+    text = config.get("text_config")
+    if isinstance(text, dict) and "hidden_size" not in config:
+        config = text
+
+    def size(key: str, default: int = 0) -> int:
+        for name in (key, *_SIZE_ALIASES.get(key, ())):
+            value = config.get(name)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+        return default
+
+    hidden, heads = size("hidden_size"), size("num_attention_heads")
+    return ModelShape(
+        parameters=_header_parameters(files),
+        layers=size("num_hidden_layers"),
+        hidden_size=hidden,
+        intermediate_size=size("intermediate_size", 4 * hidden),
+        heads=heads,
+        kv_heads=size("num_key_value_heads", heads),
+        head_dim=size("head_dim", hidden // heads if heads else 0),
+        vocab_size=size("vocab_size", spec.vocab_size or 0),
+        max_positions=size("max_position_embeddings"),
+    )
+
+
+# other names transformers' configs give the sizes (their ``attribute_map``s: GPT-2's, T5's...)
+_SIZE_ALIASES = {
+    "hidden_size": ("n_embd", "d_model"),
+    "num_hidden_layers": ("n_layer", "num_layers"),
+    "num_attention_heads": ("n_head", "num_heads"),
+    "intermediate_size": ("n_inner", "ffn_dim"),
+    "max_position_embeddings": ("n_positions", "n_ctx"),
+}
+
+
+def _header_parameters(files: list[Path]) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for path in files:
+        with safe_open(str(path), framework="numpy") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                total += math.prod(f.get_slice(name).get_shape())
+    return total

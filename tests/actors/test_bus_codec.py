@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pivot.bus import Codec, Message, RemoteFailure
-from pivot.bus.codec import MAC_SIZE, topic_prefix
+from pivot.bus.codec import TRAILER_SIZE, Seal, topic_prefix
 from pivot.bus.errors import BadSignature, FrameError
 
 
@@ -68,11 +68,18 @@ def test_request_reply_error_and_publish_round_trip() -> None:
     count=st.integers(min_value=-(2**63), max_value=2**63 - 1),
     sender=st.text(min_size=1, max_size=20),
     cid=st.integers(min_value=0, max_value=2**63 - 1),
+    to=st.text(max_size=300),
+    incarnation=st.integers(min_value=0, max_value=2**64 - 1),
 )
-def test_any_item_round_trips(name: str, count: int, sender: str, cid: int) -> None:
+def test_any_item_round_trips(
+    name: str, count: int, sender: str, cid: int, to: str, incarnation: int
+) -> None:
     codec = Codec([Item], secret=b"k")
-    envelope = codec.decode_request(codec.encode_request(sender, cid, Item(name, count)))
+    seal = Seal(to, incarnation, cid)
+    payload, unsealed = codec.unseal(codec.encode_request(sender, cid, Item(name, count), seal))
+    envelope = codec.request_of(payload)
     assert (envelope.sender, envelope.cid, envelope.body) == (sender, cid, Item(name, count))
+    assert unsealed == seal
 
 
 def test_a_codec_takes_the_classes_it_is_given_and_no_others() -> None:
@@ -128,23 +135,37 @@ def test_hmac_accepts_own_frames_and_rejects_others() -> None:
     ours = Codec([Item], secret="secret one")
     theirs = Codec([Item], secret="secret two")
     unsigned = Codec([Item])
-    frame = ours.encode_request("a", 1, Item("x", 1))
-    assert len(frame) == len(unsigned.encode_request("a", 1, Item("x", 1))) + MAC_SIZE
+    seal = Seal("b", 5, 1)
+    frame = ours.encode_request("a", 1, Item("x", 1), seal)
+    assert len(frame) == len(unsigned.encode_request("a", 1, Item("x", 1))) + 1 + TRAILER_SIZE
     assert ours.decode_request(frame).body == Item("x", 1)
+    assert ours.unseal(frame)[1] == seal
     with pytest.raises(BadSignature):
         theirs.decode_request(frame)
     with pytest.raises(BadSignature):
         ours.decode_request(unsigned.encode_request("a", 1, Item("x", 1)))
-    tampered = bytearray(frame)
-    tampered[5] ^= 0x01
-    with pytest.raises(BadSignature):
-        ours.decode_request(bytes(tampered))
+    # the envelope, the destination and the counter are all covered by the HMAC
+    for where in (5, len(frame) - TRAILER_SIZE - 1, len(frame) - 33):
+        tampered = bytearray(frame)
+        tampered[where] ^= 0x01
+        with pytest.raises(BadSignature):
+            ours.decode_request(bytes(tampered))
     with pytest.raises(BadSignature):
         ours.decode_request(b"short")
-    published = ours.encode_publish("a", topic_prefix("t"), 1, [Item("y", 2)])
+    with pytest.raises(ValueError, match="pass its Seal"):
+        ours.encode_request("a", 1, Item("x", 1))
+    published = ours.encode_publish("a", topic_prefix("t"), 4, [Item("y", 2)], incarnation=9)
     assert ours.decode_publish(published)[1].body == [Item("y", 2)]
+    assert ours.unseal(published)[1] == Seal("", 9, 4)  # sealed with its sequence number
     with pytest.raises(BadSignature):
         theirs.decode_publish(published)
+
+
+def test_without_a_secret_a_frame_is_the_envelope_alone() -> None:
+    codec = Codec([Item])
+    frame = codec.encode_request("a", 1, Item("x", 1), Seal("b", 5, 1))  # the seal is ignored
+    assert frame == msgspec.msgpack.encode((0, "a", 1, Item("x", 1)))
+    assert codec.unseal(frame) == (frame, None)
 
 
 def test_topics_are_validated() -> None:

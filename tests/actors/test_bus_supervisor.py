@@ -30,6 +30,7 @@ from pivot.bus import (
     run_virtual,
     started,
 )
+from pivot.bus.statsfile import read_stats_dir
 from pivot.bus.testing import TESTING_MESSAGES, Crash, Echo, EchoActor
 
 
@@ -303,7 +304,8 @@ async def test_a_child_says_why_it_died_before_and_after_ready(tmp_path_factory)
     assert "before it was ready: ValueError: model.safetensors: header too large" in str(err.value)
     await early.stop()
 
-    late = Supervisor(policy=RestartPolicy(restart="never"))
+    stats_dir = tmp_path_factory.mktemp("bus")
+    late = Supervisor(policy=RestartPolicy(restart="never"), stats_dir=stats_dir)
     late.add_process(
         "echo", "pivot.bus.testing:echo_actor", kwargs={"directory": directory.to_dict()}
     )
@@ -311,6 +313,7 @@ async def test_a_child_says_why_it_died_before_and_after_ready(tmp_path_factory)
     await late.start()
     try:
         async with started(Actor("probe", bus)) as (probe,):
+            await bus.transport.request("echo", b"\xc1 not msgpack", 5.0)  # a known rejection
             await probe.request("echo", Crash(), timeout=5)
             with pytest.raises(SupervisorEscalation) as escalated:
                 await asyncio.wait_for(late.wait(), 30)
@@ -320,6 +323,10 @@ async def test_a_child_says_why_it_died_before_and_after_ready(tmp_path_factory)
     text = str(escalated.value)
     assert "child 'echo' failed (exit code 1: RuntimeError: crash requested)" in text
     assert "is not restarted" in text and "again" not in text
+    # the crashed child still wrote its final bus counters, under its name
+    record = read_stats_dir(stats_dir)["echo"]
+    assert record.final and record.actors["echo"]["decode_errors"] == 1
+    assert record.actors["echo"]["requests_served"] == 1  # the Crash
 
 
 def test_sighup_stops_everything_and_the_handler_from_before_comes_back() -> None:

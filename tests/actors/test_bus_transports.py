@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
+import socket
+import struct
 import uuid
 from collections.abc import AsyncIterator, Callable
 
@@ -27,7 +30,7 @@ from pivot.bus import (
     handles,
     started,
 )
-from pivot.bus.codec import Codec
+from pivot.bus.codec import Codec, Seal
 from pivot.bus.nng import NngTransport
 from pivot.bus.testing import TESTING_MESSAGES, Crash, Echo, EchoActor, Echoed, Fail
 
@@ -451,3 +454,84 @@ async def test_a_frame_over_the_maximum_is_refused_and_the_actor_serves_on(tmp_p
     finally:
         await server_bus.close()
         await client_bus.close()
+
+
+def _raw_requester(address: str) -> socket.socket:
+    """A Req0 peer written by hand, speaking nng's SP wire protocol on a plain socket, so that
+    it can do what no nng socket does: send requests and never read the replies (an nng Req0
+    reads every reply off the connection, wanted or not, and so never fills the buffers)."""
+    if address.startswith("ipc://"):
+        peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        peer.connect(address.removeprefix("ipc://"))
+    else:
+        host, _, port = address.removeprefix("tcp://").rpartition(":")
+        peer = socket.create_connection((host, int(port)))
+    peer.sendall(b"\x00SP\x00" + struct.pack(">H", 0x30) + b"\x00\x00")  # SP header, Req0
+    return peer
+
+
+def _sp_request(address: str, request_id: int, body: bytes) -> bytes:
+    # the request id, top bit set, is the whole backtrace; ipc prefixes a message-type byte
+    payload = struct.pack(">I", request_id | 0x8000_0000) + body
+    kind = b"\x01" if address.startswith("ipc://") else b""
+    return kind + struct.pack(">Q", len(payload)) + payload
+
+
+def _flood(peer: socket.socket, messages: list[bytes]) -> int:
+    sent = 0
+    with contextlib.suppress(OSError):  # the socket's timeout: the server stopped reading
+        for message in messages:
+            peer.sendall(message)
+            sent += 1
+    return sent
+
+
+@pytest.mark.parametrize("scheme", ["ipc", "tcp"])
+async def test_a_requester_that_never_reads_its_replies_does_not_wedge_the_actor(
+    tmp_path, scheme: str
+) -> None:
+    """Replies of 1 MiB to a peer that never reads fill the socket buffers; each reply send
+    past them is abandoned after the reply timeout (counted, logged at counts 1, 2, 4...), so
+    the actor's contexts go on serving and a well-behaved client still gets its reply."""
+    if scheme == "ipc":
+        directory = Directory.ipc(tmp_path, NAMES)
+    else:
+        directory = Directory.tcp("127.0.0.1", {name: (0, 0) for name in NAMES})
+    stream = io.StringIO()
+    configure_logging("warning", stream=stream)
+    secret = b"s" * 32  # tcp binds only with one
+    server_bus = Bus(NngTransport(directory, reply_timeout=0.3), Codec(MESSAGES, secret=secret))
+    client_bus = Bus(NngTransport(directory), Codec(MESSAGES, secret=secret))
+    server, client = Server("server", server_bus), Client("client", client_bus)
+    try:
+        async with started(server, client):
+            address = directory.lookup("server").rep
+            big = Echo(text="x" * (1 << 20))
+            # 48 requests: far more replies than the buffers hold plus one per context (16),
+            # each sealed once for the server
+            messages = [
+                _sp_request(
+                    address,
+                    i + 1,
+                    server_bus.codec.encode_request("peer", 1, big, Seal("server", 7, i + 1)),
+                )
+                for i in range(48)
+            ]
+            peer = _raw_requester(address)
+            peer.settimeout(2.0)
+            try:
+                sent = await asyncio.to_thread(_flood, peer, messages)
+                reply = await client.request("server", Echo(text="hi"), timeout=5, expect=Echoed)
+                assert reply.text == "hi"
+                assert sent == len(messages)
+            finally:
+                peer.close()
+    finally:
+        await server_bus.close()
+        await client_bus.close()
+        structlog.reset_defaults()
+    abandoned = server.stats.reply_timeouts
+    assert 16 <= abandoned < len(messages)
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    counts = [line["count"] for line in lines if line["event"].startswith("reply abandoned")]
+    assert counts == [1 << k for k in range(abandoned.bit_length())]

@@ -23,7 +23,13 @@ from pivot.actors.messages import Ack
 from pivot.actors.param_store import ParameterReader, ParameterStore, remove_store
 from pivot.actors.shift_messages import TrainerPhaseChanged
 from pivot.actors.trainer import Trainer, TrainResult, restart_text
-from pivot.actors.trainer_deepspeed import add_trainer_group, fingerprint
+from pivot.actors.trainer_deepspeed import (
+    RankCommand,
+    add_trainer_group,
+    decode_command,
+    encode_command,
+    fingerprint,
+)
 from pivot.actors.trainer_messages import (
     OffloadTrainer,
     QueryTrainer,
@@ -53,6 +59,7 @@ from pivot.engines.sim_engine import SimTrainer
 from pivot.engines.tokenizer import TextCodec, build_tokenizer, save_pretrained
 from pivot.engines.torch_engine import TorchEngine
 from pivot.grpo import (
+    GRPOBatch,
     RolloutSample,
     TrainingSettings,
     build_batch,
@@ -66,6 +73,36 @@ from pivot.grpo import (
 SETTINGS = TrainingSettings(lr=5e-3, adam_eps=1e-3, micro_batch_size=3, zero_stage=2)
 WORLD = 2
 TIMEOUT = 120.0
+
+
+# ---- what rank 0 broadcasts: msgpack bytes, never a pickle ---------------------------------------
+
+
+def test_a_rank_command_travels_as_bytes_and_comes_back_equal() -> None:
+    batch = GRPOBatch(
+        input_ids=torch.tensor([[5, 6, 7, 0], [5, 8, 9, 2]]),
+        response_mask=torch.tensor([[0.0, 1.0, 0.0], [0.0, 1.0, 1.0]]),
+        old_logprobs=torch.tensor([[0.0, -0.5, 0.0], [0.0, -1.25, -0.75]]),
+        advantages=torch.tensor([0.5, -0.5]),
+        rewards=torch.tensor([1.0, 0.0]),
+        groups=torch.tensor([3, 3]),
+        pad_id=2,
+    ).rows([1])  # a view: not contiguous in the batch it came from
+    command = RankCommand("train", batch, publish=True, checkpoint="/runs/x/step-3")
+    back = decode_command(encode_command(command))
+    assert (back.kind, back.publish, back.checkpoint) == ("train", True, "/runs/x/step-3")
+    assert back.batch is not None and back.batch.pad_id == 2
+    for name in ("input_ids", "response_mask", "old_logprobs", "advantages", "rewards", "groups"):
+        sent, got = getattr(batch, name), getattr(back.batch, name)
+        assert got.dtype == sent.dtype and torch.equal(got, sent), name
+    assert decode_command(encode_command(RankCommand("quit"))) == RankCommand("quit")
+    with pytest.raises(TypeError, match="float64"):
+        encode_command(
+            RankCommand(
+                "train",
+                GRPOBatch(**{**vars(batch), "rewards": torch.zeros(1, dtype=torch.float64)}),
+            )
+        )
 
 
 # ---- the state machine, over the simulated backend on the virtual clock ------------------------

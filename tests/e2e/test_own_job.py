@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from pivot.bus.codec import SECRET_FILE_ENV
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 PIVOT = [sys.executable, "-m", "pivot.cli.main"]
 
@@ -70,12 +72,16 @@ def test_a_users_policy_data_and_reward_function(examples):
     from pivot.engines.tokenizer import TextCodec
     from pivot.rewards import RewardInput
 
-    # with the job's shared secret set, every frame of the job is signed (parent and children)
+    # with the job's shared secret set, every frame of the job is signed (parent and children):
+    # here from a secret file, which each process reads
+    secret = examples / "job.secret"
+    secret.write_text("a secret the user set\n")
+    secret.chmod(0o600)
     _, reports, rows = _run(
         examples,
         "function.toml",
         "function",
-        env={"PIVOT_SECRET": "a secret the user set"},
+        env={SECRET_FILE_ENV: str(secret)},
         **{"steps = 6": "steps = 3", "eval_every = 3": "eval_every = 2"},
     )
     policy = TextCodec.from_dir(examples / "models" / "policy")

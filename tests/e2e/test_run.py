@@ -239,6 +239,11 @@ def test_job_shifts_and_leaves_no_processes(shifting_run):
     assert kinds.count("reclaim_trainer") >= 2 and "lend_trainer" in kinds
     assert (run.dir / "shift.journal").stat().st_size > 0
     assert (run.dir / "throughput.png").read_bytes()[:4] == b"\x89PNG"
+    # every process kept its bus counters, the last write at its exit
+    bus = {p.stem: json.loads(p.read_text()) for p in (run.dir / "bus").glob("*.json")}
+    assert {"main", "trainer", "trainer-1", "agent-0"} <= set(bus)
+    assert all(record["process"] == name and record["final"] for name, record in bus.items())
+    assert bus["main"]["actors"]["driver"]["requests_sent"] > 0
     assert _children_of(run.proc.pid) == []
     assert not any(p for p in _children_of(os.getpid()) if _is_agent(p))
 

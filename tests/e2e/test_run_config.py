@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from pivot.bus.codec import SECRET_ENV, SECRET_FILE_ENV
 from pivot.cli import run
 from pivot.cli.main import main
 from pivot.cli.runconfig import read_header, resolved_config
@@ -113,6 +114,19 @@ def test_a_bad_override_is_one_line_naming_it(tmp_path, capsys, started, overrid
     assert not run_dir.exists() and not started
 
 
+def test_a_bad_secret_file_is_one_line_and_starts_nothing(tmp_path, capsys, started, monkeypatch):
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret\n")
+    secret.chmod(0o644)
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    monkeypatch.setenv(SECRET_FILE_ENV, str(secret))
+    run_dir = tmp_path / "run"
+    assert main(["run", str(REPO / "configs/tiny.toml"), "--run-dir", str(run_dir)]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert f"{SECRET_FILE_ENV}={secret}" in line and "open to other users" in line
+    assert not run_dir.exists() and not started
+
+
 def test_a_run_directory_holding_a_run_is_refused(tmp_path, capsys, started):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -175,3 +189,72 @@ def test_resume_runs_the_runs_own_config_and_records_its_overrides(tmp_path, sta
     shutil.rmtree(run_dir / "checkpoints")
     assert main(["run", "--resume", str(run_dir)]) == 2
     assert "expected a run with a complete checkpoint" in capsys.readouterr().err
+
+
+def test_a_job_over_the_hosts_memory_is_refused_with_its_estimate(tmp_path, capsys, started):
+    """The estimate is made from config.json before any weight is read: a policy whose config
+    says 64 layers of hidden size 65536 (trillions of parameters) is refused in one line
+    beside the tiny model's weight file, which would never be read."""
+    import json
+    import shutil
+
+    from pivot.assets import ASSETS
+
+    huge = tmp_path / "huge"
+    shutil.copytree(ASSETS / "tiny-policy", huge)
+    config = json.loads((huge / "config.json").read_text())
+    config.update(
+        hidden_size=65536,
+        intermediate_size=262144,
+        num_hidden_layers=64,
+        num_attention_heads=512,
+        num_key_value_heads=128,
+        layer_types=["full_attention"] * 64,
+    )
+    (huge / "config.json").write_text(json.dumps(config))
+    job = tmp_path / "job.toml"
+    job.write_text(f"[model]\npolicy = '{huge}'\n[reward]\nkind = 'exact'\n")
+    run_dir = tmp_path / "run"
+    assert main(["run", str(job), "--run-dir", str(run_dir)]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert f"{job}: expected a job that fits in the " in line, line
+    assert "GiB of memory available here (MemAvailable in /proc/meminfo)" in line
+    assert "found an estimated " in line and "trainer optimizer states" in line
+    assert not run_dir.exists() and not started
+
+
+def test_the_memory_check_compares_the_estimate_with_what_is_available(tmp_path):
+    from pivot.assets import ASSETS
+    from pivot.cluster import Role
+    from pivot.config import ConfigError
+    from pivot.engines.checkpoint import model_shape
+    from pivot.memory import estimate_memory
+
+    job = load_toml(REPO / "configs/tiny.toml", JobConfig)
+    tiny = model_shape(ASSETS / "tiny-policy")
+    shapes = {Role.ROLLOUT: tiny, Role.REWARD: tiny}
+    needed = estimate_memory(job, shapes).total
+    run.check_memory(job, shapes, "tiny.toml", available=needed)
+    with pytest.raises(
+        ConfigError, match=r"tiny.toml: expected a job that fits in the .*process runtimes"
+    ):
+        run.check_memory(job, shapes, "tiny.toml", available=needed - 1)
+
+
+def test_the_summary_names_the_bus_troubles_of_every_process(tmp_path):
+    from pivot.bus.statsfile import StatsRecord, write_record
+
+    folder = tmp_path / "bus"
+    folder.mkdir()
+    assert run.bus_trouble_line(tmp_path) is None  # no files: nothing to say
+    for process, counts in (
+        ("main", {"requests_sent": 9, "request_timeouts": 2}),
+        ("agent-0", {"requests_sent": 4, "lost_frames": 3, "request_timeouts": 1}),
+    ):
+        write_record(
+            folder / f"{process}.json",
+            StatsRecord(process=process, pid=1, final=True, actors={}, totals=counts),
+        )
+    assert run.bus_trouble_line(tmp_path) == (
+        f"bus: 3 lost_frames, 3 request_timeouts (see {folder})"
+    )

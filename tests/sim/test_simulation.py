@@ -229,6 +229,18 @@ def test_a_killed_agent_restarts_free_its_sequences_run_again_and_the_planner_us
     assert cluster.checks > 5
 
 
+@pytest.mark.parametrize("at_s", [2.0, 4.0])  # the trainer holds its pool / has lent it
+def test_a_killed_trainer_pool_agent_comes_back_to_what_the_pool_does(tmp_path, at_s):
+    workload = _busy_toy(tmp_path)
+    faults = FaultPlan(crashes=(ActorCrash(actor="agent-5", at_s=at_s),), restart_after_s=1.0)
+    cluster = _run_with(tmp_path, workload, faults)
+    reports = cluster.assembly.driver.reports
+    assert [r.samples for r in reports] == [16, 16]
+    assert sum(r.duplicates for r in reports) == 0
+    assert cluster.supervisor.restarts("agent-5") == 1
+    assert cluster.checks > 5
+
+
 def test_an_agent_that_goes_silent_is_taken_out_and_freed_when_it_answers_again(tmp_path):
     # agent-0's process lives but stops answering for a while: an Assign and its first
     # Describes are lost. Its scheduler suspects it and tells the Controller, which finds it
@@ -250,6 +262,48 @@ def test_an_agent_that_goes_silent_is_taken_out_and_freed_when_it_answers_again(
         assert scheduler.core.ledger.counts()["done"] == 2 * 16
     assert cluster.assembly.controller.lost_devices == {}
     assert cluster.checks > 5
+
+
+# requests the chaos plan drops (the sender times out) or delays
+_CHAOS_MESSAGES = (
+    "Assign", "Finished", "Completed", "Abort", "Describe", "QueryLoad", "Evacuate",
+    "Release", "Acquire", "Register", "RemoveReplica", "CutRouting", "RestoreRouting",
+)  # fmt: skip
+
+
+def _chaos(seed: int) -> FaultPlan:
+    """Kill two agents and the Controller at random times, drop and delay random requests."""
+    import random
+
+    rng = random.Random(seed)
+    agents = rng.sample(range(8), 2)
+    crashes = [ActorCrash(actor=f"agent-{a}", at_s=rng.uniform(0.2, 6.0)) for a in agents]
+    crashes.append(ActorCrash(actor="controller", at_s=rng.uniform(0.5, 6.0)))
+    messages = [
+        MessageFault(
+            message=rng.choice(_CHAOS_MESSAGES),
+            action=rng.choice(("drop", "delay")),
+            delay_s=rng.uniform(0.1, 3.0),
+            skip=rng.randrange(5),
+            count=rng.randrange(1, 3),
+        )
+        for _ in range(4)
+    ]
+    return FaultPlan(crashes=tuple(crashes), messages=tuple(messages), restart_after_s=1.0)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_chaos_every_sample_is_scored_once_and_every_invariant_holds_at_every_tick(tmp_path, seed):
+    workload = _busy_toy(tmp_path)
+    plan = _chaos(seed)
+    cluster = _run_with(tmp_path, workload, plan)
+    reports = cluster.assembly.driver.reports
+    assert [r.samples for r in reports] == [16, 16], plan
+    assert sum(r.duplicates for r in reports) == 0, plan
+    for scheduler in cluster.assembly.schedulers.values():
+        assert scheduler.core.ledger.counts()["done"] == 2 * 16, plan
+    # at each step's end, at the end, and at every Controller tick while it is settled
+    assert cluster.checks >= 3
 
 
 def _deterministic(result) -> bytes:

@@ -382,6 +382,20 @@ def test_reconcile_makes_the_trainer_agree_with_its_pool(pool_role, trainer_hold
     )
 
 
+def test_a_pool_agent_restarted_while_the_trainer_trains_takes_the_training_role_again():
+    # device 3's agent restarted free while the trainer held its pool: it rejoins the
+    # training replica; the trainer is not made to lend its pool
+    holdings = {0: (R, "rollout@0", (0,)), 1: (W, "reward@1", (1,))}
+    holdings |= {2: (Role.TRAINING, "trainer", (2, 3)), 3: (Role.FREE, None, ())}
+    schedulers = {R: sched(R, "rollout@0"), W: sched(W, "reward@1")}
+    result = reconcile(spec(trainer_hosts=1), views(holdings), schedulers, True)
+    assert result.stages == [[AcquireDevice(3, Role.TRAINING, "trainer", (2, 3))]]
+    assert "trainer" in {r.id for r in result.replicas}
+    # with the trainer offloaded the half-held replica is broken: released, as before
+    offloaded = reconcile(spec(trainer_hosts=1), views(holdings), schedulers, False)
+    assert offloaded.stages == [[ReleaseDevice(2, "trainer")]]
+
+
 # --- crash anywhere, recover, consistent ---------------------------------------------------------
 
 
