@@ -101,7 +101,7 @@ class AgentParts(NamedTuple):
 class ChildProcess(NamedTuple):
     """An actor in a supervised child process: ``target`` is ``"module:function"``, called
     there as ``function(name, **kwargs)`` (see ``Supervisor.add_process``); ``policy`` None:
-    the supervisor's."""
+    the supervisor's; ``group``: the unit it is restarted with (a trainer's ranks)."""
 
     target: str
     kwargs: dict[str, Any]
@@ -110,6 +110,7 @@ class ChildProcess(NamedTuple):
     policy: RestartPolicy | None = None
     stop_timeout: float = 5.0
     after_earlier: bool = False  # starts once the children before it are ready
+    group: str | None = None
 
     def add_to(
         self, supervisor: Supervisor, name: str, *, restart_kwargs: dict[str, Any] | None = None
@@ -124,6 +125,7 @@ class ChildProcess(NamedTuple):
             stop_timeout=self.stop_timeout,
             restart_kwargs=restart_kwargs,
             after_earlier=self.after_earlier,
+            group=self.group,
         )
 
 

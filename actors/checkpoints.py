@@ -11,6 +11,11 @@ at any point leaves every ``step-*`` folder complete, and a staging folder that 
 renamed is ignored (and cleared the next time that step is staged). ``keep`` bounds how many
 complete ones stay.
 
+A trainer group that dies mid-run is restarted from the newest state it can load
+(``trainer_start``): the last complete checkpoint when it holds the policy version GPS
+published last (exact: weights, optimizer, scheduler and rng), else the GPS copy of that
+version (the weights exact, the optimizer's moments and the rng fresh).
+
 What resuming needs besides the trainer's state is in ``state.json``: the next step (the data
 streams and the task take prompts by step, and sampling is seeded by sequence id and
 position, so the step is the data cursor and every sampling RNG) and the policy version.
@@ -24,6 +29,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 
@@ -51,6 +57,61 @@ class Checkpoint(msgspec.Struct, frozen=True):
     @property
     def trainer(self) -> Path:
         return self.folder / "trainer"
+
+
+def read_checkpoint(folder: Path) -> Checkpoint:
+    """The complete checkpoint in ``folder`` (its ``state.json``)."""
+    folder = Path(folder)
+    return Checkpoint(
+        folder, msgspec.json.decode((folder / STATE).read_bytes(), type=CheckpointState)
+    )
+
+
+class TrainerStart(msgspec.Struct, frozen=True, kw_only=True):
+    """What a trainer group starts from. ``source``: ``start``, the job's own starting point
+    (the model, or the checkpoint ``--resume`` named); ``checkpoint``, the last complete one
+    (``checkpoint`` names it); ``gps``, the GPS copy of ``version``'s weights, with a fresh
+    optimizer. ``policy``: the Hugging Face folder the model is built from (under ``gps``
+    only its architecture and tokenizer count). ``trainer``: the DeepSpeed state to load
+    (optimizer, scheduler, each rank's rng), None for a fresh one."""
+
+    source: Literal["start", "checkpoint", "gps"]
+    version: int
+    policy: str
+    trainer: str | None = None
+    checkpoint: str | None = None
+
+    @property
+    def exact(self) -> bool:
+        """Whether training goes on as if nothing had stopped it (not under ``gps``)."""
+        return self.source != "gps"
+
+
+def trainer_start(
+    start: TrainerStart, published: int | None, latest: Checkpoint | None
+) -> TrainerStart:
+    """Where a trainer group (re)starts. ``published``: the version in the job's GPS store
+    (None: nothing yet, the group's first start); ``latest``: the last complete checkpoint.
+    A group that finds a version published restarts after one that died: from the checkpoint
+    when it holds that version, from ``start`` when that is the version, else from GPS."""
+    if published is None:
+        return start
+    if latest is not None and latest.state.policy_version == published:
+        return TrainerStart(
+            source="checkpoint",
+            version=published,
+            policy=str(latest.policy),
+            trainer=str(latest.trainer),
+            checkpoint=str(latest.folder),
+        )
+    if start.version == published:
+        return start
+    if published < start.version:
+        raise ValueError(
+            f"GPS publishes version {published}, older than the start's {start.version}: "
+            "the store is another run's"
+        )
+    return TrainerStart(source="gps", version=published, policy=start.policy)
 
 
 class Checkpoints:

@@ -21,6 +21,11 @@ current one and the training of the previous one; the trainer still steps on who
 in order. Step reports' ``seconds`` run from submission to trained; steps may overlap, so a
 run lasts from the first step's start to the last step's end, not the sum.
 
+A training batch names the policy version it trains from. A trainer that dies mid-step is
+restarted by its supervisor and the step's request, resent by the transport, is trained by
+the trainer that came back (``pivot.actors.trainer``); its reply says how the trainer came
+back, and the step's report keeps that (``trainer_restart``).
+
     Driver(name, bus, *, source, steps, rollout_scheduler, reward_scheduler=None,
            trainer=None, evaluation=None, eval_every=0, checkpoints=None, first_step=0,
            policy_version=0, staleness=0, on_step=None, replicas=None, on_batch_ready=None,
@@ -49,6 +54,7 @@ from pivot.actors.messages import (
     SubmitSequences,
 )
 from pivot.actors.sources import Sample, Source
+from pivot.actors.trainer_messages import TrainBatch, TrainerRestart
 from pivot.bus import Actor, Bus, handles
 
 
@@ -125,6 +131,9 @@ class StepReport(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", ta
     # deliveries of this step's responses or judgments after the first (ignored; a healthy
     # run has none: each sequence is owned by one replica at a time)
     duplicates: int = 0
+    # the trainer group died since the step before and came back so (the step was trained,
+    # once, by the group that came back)
+    trainer_restart: TrainerRestart | None = None
 
 
 class _Batch:
@@ -332,7 +341,7 @@ class Driver(Actor):
                 self.log.warning(
                     "no sample of the step can train: every reward failed", step=batch.step
                 )
-            saved = None
+            saved = restart = None
             if self.trainer is not None and request is not None:
                 if self.on_batch_ready is not None:
                     await self.on_batch_ready()
@@ -340,7 +349,18 @@ class Driver(Actor):
                 if due:
                     staged = self.checkpoints.stage(batch.step)
                     request = msgspec.structs.replace(request, checkpoint=str(staged))
+                if isinstance(request, TrainBatch):
+                    request = msgspec.structs.replace(request, version=self.policy_version)
                 reply = await self.request(self.trainer, request, timeout=self.train_timeout)
+                restart = getattr(reply, "restart", None)
+                if restart is not None:
+                    self.log.warning(
+                        "the trainer group died and came back; the step was trained by it",
+                        step=batch.step,
+                        source=restart.source,
+                        version=restart.version,
+                        exact=restart.exact,
+                    )
                 stats = getattr(reply, "stats", reply)
                 train = msgspec.to_builtins(stats)
                 self.policy_version = int(getattr(stats, "version", 0))
@@ -362,6 +382,8 @@ class Driver(Actor):
             report = self._report(batch, scored_at, trained_at, train, evaluation)
             if saved is not None:
                 report = msgspec.structs.replace(report, checkpoint=str(saved.folder))
+            if restart is not None:
+                report = msgspec.structs.replace(report, trainer_restart=restart)
             del self._open[step]
             self._trained += 1
             self._progress.set()

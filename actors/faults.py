@@ -9,6 +9,12 @@ outside would land at a random one. ``PIVOT_FAULT`` holds comma-separated entrie
 * ``kill-controller:RECORD``: the Controller's process SIGKILLs itself right before it
   writes its RECORD-th shift journal record (1-based), in its first start only: a crash at
   a chosen phase of a chosen shift.
+* ``crash-in-step:VERSION[:RANK]``: trainer rank RANK (0 by default) SIGKILLs itself in the
+  step that makes policy version VERSION, between its backward and its update; in its
+  group's first start only.
+* ``crash-in-checkpoint:VERSION[:RANK]``: trainer rank RANK (0 by default) exits 70 while it
+  saves the checkpoint of policy version VERSION, the policy written and the rest not; in
+  its group's first start only.
 """
 
 from __future__ import annotations
@@ -87,3 +93,18 @@ def crashing_journal(journal: Any) -> Any:
         if len(args) == 1:
             return _KilledBeforeRecord(journal, int(args[0]))
     return journal
+
+
+def trainer_fault(point: str, version: int, rank: int) -> None:
+    """Die here if ``PIVOT_FAULT`` plans it: ``point`` is ``crash-in-step`` or
+    ``crash-in-checkpoint`` (see the module docstring)."""
+    if not first_start():
+        return
+    for args in planned(point):
+        if len(args) in (1, 2) and (int(args[0]), int(args[1]) if len(args) == 2 else 0) == (
+            version,
+            rank,
+        ):
+            if point == "crash-in-step":
+                os.kill(os.getpid(), signal.SIGKILL)
+            os._exit(70)

@@ -29,12 +29,20 @@ Publication protocol (why a reader never sees half a version):
 The writer registers its segments with multiprocessing's resource tracker, so a writer
 that dies does not leak /dev/shm; readers map segments directly (not through
 ``SharedMemory``) so that they never register, and so never unlink, what they do not own.
-Linux only (flock on POSIX shared memory, MAP_POPULATE).
+
+A store that must outlive its writer (a job's, whose trainer may die and be restarted) is
+opened with ``adopt=True``: it belongs to the job that named it, not to the writer. The
+writer takes over a store of that name that exists (its published version stays readable
+all along, and is the next writer's starting point), registers nothing, and ``close()``
+leaves the segments; the job removes them at its end (``remove_store``), and the next start
+removes those of jobs that died (``remove_orphaned_stores``).
+Linux only (flock on POSIX shared memory, MAP_POPULATE, the segments listed in /dev/shm).
 """
 
 from __future__ import annotations
 
 import _posixshmem
+import contextlib
 import fcntl
 import mmap
 import os
@@ -59,6 +67,9 @@ _HEADER_BYTES = 16
 _PREAMBLE = struct.Struct("<qqqq")  # magic, complete (0/1), version, manifest length
 _ALIGN = 64
 _STORE_HOLDER = "store"
+_SHM = "/dev/shm"
+#: A job's store: this prefix and the pid of the job's process (``job_store_name``).
+JOB_STORE_PREFIX = "pivot-gps-"
 
 #: A writer's shard: its tensors and their layouts (None: every tensor whole).
 Shard = tuple[Mapping[str, torch.Tensor], Mapping[str, TensorLayout] | None]
@@ -80,6 +91,53 @@ class TensorEntry(msgspec.Struct, frozen=True, array_like=True):
     dtype: str
     shape: tuple[int, ...]
     offset: int
+
+
+def job_store_name(pid: int | None = None) -> str:
+    """The name of the store of the job whose process is ``pid`` (default this one)."""
+    return f"{JOB_STORE_PREFIX}{pid if pid is not None else os.getpid()}"
+
+
+def _segments_of(store: str) -> list[str]:
+    """The names of a store's segments in /dev/shm: its header and its slots."""
+    try:
+        names = os.listdir(_SHM)
+    except FileNotFoundError:
+        return []
+    return [n for n in names if n == store or n.startswith(f"{store}-s")]
+
+
+def remove_store(store: str) -> None:
+    """Unlink every segment of ``store`` (readers that map one keep their mapping)."""
+    for name in _segments_of(store):
+        with contextlib.suppress(FileNotFoundError):
+            _posixshmem.shm_unlink("/" + name)
+
+
+def remove_orphaned_stores() -> list[str]:
+    """Remove the job stores (``job_store_name``) of this user whose job process is dead;
+    the names removed."""
+    from pivot.bus.sockets import owner_alive
+
+    removed = []
+    uid = os.getuid()
+    try:
+        names = os.listdir(_SHM)
+    except FileNotFoundError:
+        return []
+    for name in names:
+        pid = name[len(JOB_STORE_PREFIX) :]
+        if not name.startswith(JOB_STORE_PREFIX) or not pid.isdigit():
+            continue  # another's, or a slot (removed with its header)
+        try:
+            if os.stat(os.path.join(_SHM, name)).st_uid != uid:
+                continue
+        except FileNotFoundError:
+            continue
+        if not owner_alive(pid):
+            remove_store(name)
+            removed.append(name)
+    return removed
 
 
 def slot_name(store: str, slot: int) -> str:
@@ -106,9 +164,9 @@ def _device_index(tensors: Mapping[str, torch.Tensor]) -> int | None:
 class _Segment:
     """One mapped shared-memory segment and the fd that carries its flock."""
 
-    def __init__(self, name: str, size: int | None = None) -> None:
-        """Create the segment when ``size`` is given (and register it with the resource
-        tracker), else open an existing one."""
+    def __init__(self, name: str, size: int | None = None, *, track: bool = True) -> None:
+        """Create the segment when ``size`` is given (and, with ``track``, register it with
+        the resource tracker), else open an existing one."""
         self.name = name
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if size is not None else 0)
         self.fd = _posixshmem.shm_open("/" + name, flags, mode=0o600)
@@ -123,7 +181,7 @@ class _Segment:
             if size is not None:
                 _posixshmem.shm_unlink("/" + name)
             raise
-        self.owned = size is not None
+        self.owned = size is not None and track
         if self.owned:
             resource_tracker.register("/" + name, "shared_memory")
         self.views: dict[str, torch.Tensor] = {}
@@ -238,7 +296,9 @@ class ParameterStore:
 
     ``name``: the shared-memory name (a fresh random one by default). ``host``: this host's
     name in plans. ``spare_slots``: free slots kept for reuse beyond the published one.
-    Use as a context manager, or call ``close()``: it unlinks every segment.
+    Use as a context manager, or call ``close()``: it unlinks every segment, but with
+    ``adopt`` (a job's store, see the module docstring), which takes over a store of that
+    name and whose ``close()`` leaves every segment for the next writer.
     """
 
     def __init__(
@@ -248,26 +308,51 @@ class ParameterStore:
         host: str | None = None,
         links: LinkConfig | None = None,
         spare_slots: int = 1,
+        adopt: bool = False,
     ) -> None:
         self.name = name or f"pivot-gps-{secrets.token_hex(6)}"
         self.host = host or platform.node()
         self.planner = TransferPlanner(links)
         self.spare_slots = spare_slots
-        try:
-            self._header = _Segment(self.name, _HEADER_BYTES)
-        except FileExistsError:
-            raise StoreError(
-                f"a shared-memory segment named {self.name!r} exists already (another store, "
-                f"or one left by a writer that crashed: remove /dev/shm/{self.name})"
-            ) from None
-        self._words = np.ndarray((2,), dtype=np.int64, buffer=self._header.map)
-        self._words[1] = _NOTHING
-        self._words[0] = _MAGIC
+        self.adopted = adopt
         self._slots: dict[int, _Segment] = {}
         self._next_slot = 0
         self._version: int | None = None
         self._published_slot: int | None = None
         self._closed = False
+        try:
+            self._header = _Segment(self.name, _HEADER_BYTES, track=not adopt)
+        except FileExistsError:
+            if not adopt:
+                raise StoreError(
+                    f"a shared-memory segment named {self.name!r} exists already (another "
+                    f"store, or one left by a writer that crashed: remove /dev/shm/{self.name})"
+                ) from None
+            self._take_over()
+            return
+        self._words = np.ndarray((2,), dtype=np.int64, buffer=self._header.map)
+        self._words[1] = _NOTHING
+        self._words[0] = _MAGIC
+
+    def _take_over(self) -> None:
+        """Become the writer of the existing store (``adopt``): its published version, its
+        slots (a slot the last writer left half-filled is a spare like any other)."""
+        self._header = _Segment(self.name)
+        self._words = np.ndarray((2,), dtype=np.int64, buffer=self._header.map)
+        if self._header.size < _HEADER_BYTES or self._words[0] != _MAGIC:
+            self._header.close()
+            raise StoreError(f"shared-memory segment {self.name!r} is not a parameter store")
+        for segment in _segments_of(self.name):
+            suffix = segment[len(self.name) + 2 :]
+            if segment != self.name and suffix.isdigit():
+                with contextlib.suppress(FileNotFoundError):  # trimmed meanwhile
+                    self._slots[int(suffix)] = _Segment(segment)
+        self._next_slot = max(self._slots, default=-1) + 1
+        word = int(self._words[1])
+        if word == _CLOSED:
+            self._words[1] = _NOTHING
+        elif word != _NOTHING:
+            self._version, self._published_slot = word >> _SLOT_BITS, word & (2**_SLOT_BITS - 1)
 
     @property
     def version(self) -> int | None:
@@ -360,7 +445,7 @@ class ParameterStore:
         if self._next_slot >= 2**_SLOT_BITS:
             raise StoreError(f"store {self.name!r} ran out of slot ids")
         slot_id, self._next_slot = self._next_slot, self._next_slot + 1
-        slot = _Segment(slot_name(self.name, slot_id), size)
+        slot = _Segment(slot_name(self.name, slot_id), size, track=not self.adopted)
         slot.try_lock(shared=False)
         self._slots[slot_id] = slot
         return slot_id, slot
@@ -388,10 +473,19 @@ class ParameterStore:
                 slot.unlock()
 
     def close(self) -> None:
-        """Mark the store closed for readers and unlink every segment it owns."""
+        """Mark the store closed for readers and unlink every segment it owns; an adopted
+        store's segments stay as they are (the published version readable), only unmapped
+        here."""
         if self._closed:
             return
         self._closed = True
+        if self.adopted:
+            del self._words
+            for slot in self._slots.values():
+                slot.close()
+            self._slots.clear()
+            self._header.close()
+            return
         self._words[1] = _CLOSED
         del self._words
         for slot in self._slots.values():

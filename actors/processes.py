@@ -8,7 +8,8 @@ job goes on. (A time-sharing baseline's stage policy reads the Driver's open bat
 Controller stays in the job's process.)
 
     ProcessBackend(directory, *, checkpoints, store, router, max_running, threads, seed,
-                   training, rendezvous_dir, resume=None, controller=None)
+                   training, rendezvous_dir, resume=None, checkpoint_dir=None,
+                   trainer_restart=None, controller=None)
     ControllerSpec: what a Controller process is built from (JSON), .control() -> Control
     controller_process(name, *, directory, deployment, spec)   its child factory
 """
@@ -93,7 +94,9 @@ class ProcessBackend:
     ``router``: a fresh router per scheduler start. ``seed``: the job's; each agent's engines
     sample from ``seed * 1000 + device``. ``rendezvous_dir``: where the trainer ranks meet.
     ``resume``: a checkpoint's trainer state to continue from (the rollout checkpoint is then
-    that checkpoint's policy folder).
+    that checkpoint's policy folder). ``checkpoint_dir``: the run's checkpoints, where a
+    restarted trainer group looks for the last complete one. ``trainer_restart``: the trainer
+    group's restart policy (None: a rank that dies stops the job).
     """
 
     def __init__(
@@ -109,6 +112,8 @@ class ProcessBackend:
         training: TrainingSettings,
         rendezvous_dir: Path,
         resume: Path | None = None,
+        checkpoint_dir: Path | None = None,
+        trainer_restart: RestartPolicy | None = None,
         controller: ControllerSpec | None = None,
     ) -> None:
         self.directory = directory
@@ -121,6 +126,8 @@ class ProcessBackend:
         self.training = training
         self.rendezvous_dir = rendezvous_dir
         self.resume = resume
+        self.checkpoint_dir = checkpoint_dir
+        self.trainer_restart = trainer_restart
         self.controller_spec = controller
 
     def router(self, role: Role) -> Router:
@@ -179,4 +186,6 @@ class ProcessBackend:
             threads=self.threads,
             controller=controller,
             resume=self.resume,
+            checkpoints=self.checkpoint_dir,
+            policy=self.trainer_restart,
         )

@@ -17,9 +17,14 @@ Requests (``pivot.actors.trainer_messages``):
 
 The state is published on topic ``trainer`` (``TrainerState``) whenever it changes. A backend
 command that fails leaves the backend in an unknown state (for DeepSpeed: ranks that may
-disagree): the request gets the error, and the actor crashes (its supervisor decides).
+disagree): the request gets the error, and the actor crashes (its supervisor decides). A
+failed ``train`` is the exception: its request is left unanswered, so that a sender whose
+transport resends a request the peer never answered (nng's req socket, when the peer
+disconnects) reaches the trainer that the supervisor starts next, and the step is trained
+there, once. A batch carries the version it trains from: a trainer at another version (one
+restarted after it had trained and published the step) refuses it.
 
-    Trainer(name, bus, *, backend, controller=None)
+    Trainer(name, bus, *, backend, controller=None, restarted=None)
         .state, .holds_pool, .steps
         .spans: [TrainSpan]   when each step trained, on the actor's clock
         .offloads, .reloads, .shift_s   how often and how long the pool moved
@@ -42,6 +47,7 @@ from pivot.actors.trainer_messages import (
     SimTrainBatch,
     TrainBatch,
     Trained,
+    TrainerRestart,
     TrainerState,
     TrainerStateName,
     TrainerStatus,
@@ -57,6 +63,10 @@ T = TypeVar("T")
 class TrainerBusy(RuntimeError):
     """A request the trainer cannot honour now: a second batch while one is in flight, or an
     offload while a batch waits or trains."""
+
+
+class StaleBatch(RuntimeError):
+    """A batch made for another policy version than the trainer's."""
 
 
 class TrainerOffloaded(RuntimeError):
@@ -122,14 +132,23 @@ class TrainingBackend(Protocol):
 
 class Trainer(Actor):
     """The training role over ``backend``; ``controller`` is told when a batch waits for the
-    lent pool (None: such a batch reloads at once)."""
+    lent pool (None: such a batch reloads at once). ``restarted``: how this trainer came back
+    after its group died (None: its first start); said in a log line at start and in the
+    next ``Trained``."""
 
     def __init__(
-        self, name: str, bus: Bus, *, backend: TrainingBackend, controller: str | None = None
+        self,
+        name: str,
+        bus: Bus,
+        *,
+        backend: TrainingBackend,
+        controller: str | None = None,
+        restarted: TrainerRestart | None = None,
     ) -> None:
         super().__init__(name, bus)
         self.backend = backend
         self.controller = controller
+        self.restarted = restarted
         self.steps = 0
         self.last_step_s = 0.0
         self.spans: list[TrainSpan] = []
@@ -157,6 +176,11 @@ class Trainer(Actor):
     async def on_start(self) -> None:
         async with self._lock:
             await self.backend.start()
+        r = self.restarted
+        if r is not None:
+            self.log.warning(
+                restart_text(r), source=r.source, version=r.version, checkpoint=r.checkpoint
+            )
 
     async def on_stop(self) -> None:
         try:
@@ -209,21 +233,34 @@ class Trainer(Actor):
     async def train(self, msg: TrainBatch | SimTrainBatch) -> Trained:
         if self._pending:
             raise TrainerBusy(f"step {msg.step} arrived while another step is in flight")
+        version = getattr(msg, "version", None)
+        if version is not None and version != self.backend.version:
+            raise StaleBatch(
+                f"step {msg.step} trains from policy version {version}, the trainer holds "
+                f"version {self.backend.version}"
+            )
         # validated here, before the backend runs anything: a bad batch is an error reply,
         # not a broken rank group
         batch = await self.backend.prepare(msg)
         self._pending = True
+        result = None
         try:
             await self._set_state("training")
             if not self._on_devices.is_set():
                 await self._wait_for_pool()
             async with self._lock:
                 started = self.clock.now()
-                result = await self._command("train", self.backend.train, batch)
+                with contextlib.suppress(Exception):  # the actor crashes: see _command
+                    result = await self._command("train", self.backend.train, batch)
                 ended = self.clock.now()
         finally:
             self._pending = False
             await self._set_state("idle" if self._holds_pool else "offloaded")
+        if result is None:
+            # unanswered (see the module docstring): this actor is crashing, the request
+            # goes to the trainer started after it
+            await asyncio.Event().wait()
+        assert result is not None
         stats = result.stats
         self.steps += 1
         self.last_step_s = stats.seconds
@@ -236,12 +273,14 @@ class Trainer(Actor):
             grad_norm=round(stats.grad_norm, 4),
             seconds=round(stats.seconds, 4),
         )
+        restart, self.restarted = self.restarted, None
         return Trained(
             step=msg.step,
             stats=stats,
             gps_version=result.gps_version,
             gps_write_s=result.gps_write_s,
             checkpoint_s=result.checkpoint_s,
+            restart=restart,
         )
 
     async def _wait_for_pool(self) -> None:
@@ -303,3 +342,18 @@ class Trainer(Actor):
                 raise TrainerOffloaded("fingerprints need the parameters: reload first")
             digests = await self._command("fingerprints", self.backend.fingerprints)
         return self._status(digests, seconds=self.clock.now() - started)
+
+
+def restart_text(restart: TrainerRestart) -> str:
+    """One line: what a restarted trainer group loaded, and whether training goes on exactly."""
+    if restart.source == "checkpoint":
+        return (
+            f"trainer group restarted from checkpoint {restart.checkpoint} at policy "
+            f"v{restart.version} (weights, optimizer and rng exact)"
+        )
+    if restart.source == "gps":
+        return (
+            f"trainer group restarted from the GPS copy of policy v{restart.version}: weights "
+            "exact, optimizer moments reset (no checkpoint holds that version)"
+        )
+    return f"trainer group restarted from the job's start at policy v{restart.version} (exact)"

@@ -27,6 +27,16 @@ GPUs. The ``deepspeed_shm_comm`` op, which DeepSpeed JIT-builds (about 30 s, a C
 needed) on every first ``init_distributed``, serves only inference all-reduce; the trainer
 skips building it.
 
+A group cannot lose a rank (gloo has no way to shrink one), so its ranks are supervised as one
+unit: when one dies, the others are stopped and all start again (``trainer_group``). The new
+group loads the newest state it can (``pivot.actors.checkpoints.trainer_start``): the last
+complete checkpoint when it holds the version GPS published last (exact), else that version's
+weights from GPS with a fresh optimizer; rank 0 chooses, and the others load what it chose.
+The GPS store is the job's, so it outlives a rank 0 that died (``ParameterStore(adopt=True)``).
+A train command that fails is left unanswered (``Trainer``): nng's req socket resends the
+Driver's request when the trainer it went to disconnects, so the step in flight reaches the
+new group and is trained once, from the version it was made for.
+
 Gradients are accumulated by the caller (DeepSpeed's ``managed_gradient_accumulation``
 off): a step runs as many micro-batches as the rank's share needs, every rank the same
 number (shards are padded with empty rows), then one ``engine.step()``.
@@ -56,11 +66,14 @@ import msgspec
 import torch
 
 from pivot.actors.assembly import ChildProcess, trainer_names
+from pivot.actors.checkpoints import Checkpoints, TrainerStart, read_checkpoint, trainer_start
+from pivot.actors.faults import first_start, trainer_fault
 from pivot.actors.trainer import Trainer, TrainerOffloaded, TrainResult
-from pivot.actors.trainer_messages import SimTrainBatch, TrainBatch
+from pivot.actors.trainer_messages import SimTrainBatch, TrainBatch, TrainerRestart
 from pivot.actors.vocabulary import rl_messages
 from pivot.bus import Actor, Bus, Directory, RestartPolicy, Supervisor
 from pivot.bus.codec import job_secret
+from pivot.bus.supervisor import START_ENV
 from pivot.config import convert
 from pivot.engines.hf_engine import causal_lm_class
 from pivot.grpo import (
@@ -91,6 +104,7 @@ TOKENIZER_FILES = (
     "added_tokens.json",
 )
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
+_START_KEY = "pivot-trainer-start"  # where rank 0 leaves its choice in the rendezvous store
 
 
 def _import_deepspeed():
@@ -163,7 +177,10 @@ def deepspeed_config(settings: TrainingSettings) -> dict[str, Any]:
 class DeepSpeedTrainer:
     """``TrainingEngine`` on one rank of an initialised gloo group (every rank makes the same
     calls). Loads whatever Hugging Face causal-LM folder ``AutoModelForCausalLM`` loads; trains
-    in fp32."""
+    in fp32. ``resume``: a checkpoint's ``trainer/`` to continue from (``checkpoint`` is then
+    its ``policy/``). ``gps``: a GPS store whose published version replaces the weights of
+    ``checkpoint`` and becomes this trainer's version, with a fresh optimizer and the learning
+    rate schedule at that step (a group restarted without a checkpoint of that version)."""
 
     def __init__(
         self,
@@ -172,6 +189,7 @@ class DeepSpeedTrainer:
         *,
         clock: Callable[[], float] = time.perf_counter,
         resume: str | Path | None = None,
+        gps: str | None = None,
     ) -> None:
         import torch.distributed as dist
         from transformers import AutoConfig
@@ -200,9 +218,11 @@ class DeepSpeedTrainer:
             with deepspeed.zero.Init(config_dict_or_path=ds_config), _no_init_weights():
                 model = model_class(config)
             model.tie_weights()
-            self._load_partitioned(model)
+            self._load_partitioned(model, gps)
         else:
             model = model_class.from_pretrained(self.checkpoint, config=config, dtype=torch.float32)
+            if gps is not None:  # in place: state_dict's tensors share the parameters' storage
+                self._version = _read_gps(gps, dict(model.state_dict()))
         model.train()
         scheduler = functools.partial(_warmup_scheduler, warmup_steps=settings.warmup_steps)
         self.engine, *_ = deepspeed.initialize(
@@ -218,7 +238,10 @@ class DeepSpeedTrainer:
                 self.checkpoint, config=config, dtype=torch.float32
             ).eval()
             self._reference.requires_grad_(False)
-        self._version = 0
+        if gps is None:
+            self._version = 0
+        else:
+            self._schedule_at(self._version)
         if resume is not None:
             self._resume(Path(resume))
         self._offloaded = False
@@ -230,12 +253,14 @@ class DeepSpeedTrainer:
         # pinned host memory needs an accelerator; on CPU it is plain memory anyway
         self._pin = torch.cuda.is_available()
 
-    def _load_partitioned(self, model: torch.nn.Module) -> None:
+    def _load_partitioned(self, model: torch.nn.Module, gps: str | None) -> None:
         from pivot.engines.loading import read_weights
 
         # every rank reads the names, so that a bad checkpoint fails on all of them alike
         # (not one rank inside a gather the others wait in); rank 0 copies the values
         tensors = read_weights(self.checkpoint)
+        if gps is not None:
+            self._version = _read_gps(gps, tensors)
         if self.config.tie_word_embeddings:
             # saved under the input embedding's name; the output embedding may be a
             # parameter of its own here, whatever the architecture calls the two
@@ -255,6 +280,16 @@ class DeepSpeedTrainer:
                 if self.rank == 0:
                     with torch.no_grad():
                         param.copy_(tensors[name])
+
+    def _schedule_at(self, version: int) -> None:
+        """The learning rate schedule at step ``version`` (as ``version`` steps would leave it)."""
+        import warnings
+
+        scheduler = self.engine.lr_scheduler
+        scheduler.last_epoch = version - 1
+        with warnings.catch_warnings():  # "step() before optimizer.step()": on purpose here
+            warnings.simplefilter("ignore")
+            scheduler.step()
 
     def _resume(self, folder: Path) -> None:
         """Optimizer, scheduler and the rank's RNG from a checkpoint ``save`` wrote; the
@@ -288,9 +323,7 @@ class DeepSpeedTrainer:
                 if source.is_file():
                     shutil.copyfile(source, policy / name)
         # the test kit's fault: a trainer that dies with the policy written, the rest not
-        crash_here = os.environ.get("PIVOT_FAULT") == f"crash-in-checkpoint:{self._version}"
-        if crash_here and self.rank == 0:
-            os._exit(70)
+        trainer_fault("crash-in-checkpoint", self._version, self.rank)
         # a uint8 tensor of one size on every rank: a tensor collective, nothing unpickled
         state = torch.get_rng_state()
         rngs = [torch.empty_like(state) for _ in range(self.world_size)]
@@ -349,6 +382,7 @@ class DeepSpeedTrainer:
             )
             self.engine.backward(loss, scale_wrt_gas=False)
             sums = sums + part
+        trainer_fault("crash-in-step", self._version + 1, self.rank)
         self.engine.step()
         grad_norm = self.engine.get_global_grad_norm()
         totals = sums.as_tensor()
@@ -415,6 +449,27 @@ def fingerprint(tensors: Mapping[str, torch.Tensor]) -> str:
         digest.update(str(t.dtype).encode())
         digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return digest.hexdigest()
+
+
+def _read_gps(store: str, into: dict[str, torch.Tensor]) -> int:
+    """Copy the version ``store`` publishes into ``into``; returns the version."""
+    from pivot.actors.param_store import ParameterReader
+
+    with ParameterReader(store, name="trainer") as reader:
+        return reader.read(into)
+
+
+def published_version(store: str | None) -> int | None:
+    """The version the job's GPS store publishes (None: no store, or nothing in it yet)."""
+    from pivot.actors.param_store import ParameterReader, StoreError
+
+    if store is None:
+        return None
+    try:
+        with ParameterReader(store, name="trainer") as reader:
+            return reader.published_version()
+    except StoreError:
+        return None
 
 
 def _no_init_weights():
@@ -559,12 +614,15 @@ class RankGroup:
         if command.kind == "train":
             assert command.batch is not None
             stats = engine.train_step(command.batch)
-            if command.publish:
-                self._publish(stats.version)
+            # the checkpoint first: a version in GPS is a step done, checkpoint included, so
+            # a group that dies before publishing retrains the step, and one that published
+            # it has nothing of it to redo
             if command.checkpoint:
                 started = time.perf_counter()
                 engine.save(Path(command.checkpoint))
                 self.last_checkpoint_s = time.perf_counter() - started
+            if command.publish:
+                self._publish(stats.version)
             return stats
         if command.kind == "publish":
             self._publish(engine.version)
@@ -638,8 +696,10 @@ class DeepSpeedBackend:
             raise
 
     async def start(self) -> None:
-        if self.group.store is not None:
-            # version 0, the checkpoint: a replica that shifts up before the first step reads it
+        store = self.group.store
+        if store is not None and store.version != self.engine.version:
+            # the version it starts at (0, the checkpoint): a replica that shifts up before the
+            # first step reads it; a restarted group finds its version published already
             await self._lead(RankCommand("publish"))
 
     async def prepare(self, msg: TrainBatch | SimTrainBatch) -> RankCommand:
@@ -744,6 +804,7 @@ def trainer_rank(
     threads: int = 1,
     controller: str | None = None,
     resume: str | None = None,
+    checkpoints: str | None = None,
 ) -> Actor:
     """Factory for ``Supervisor.add_process``: rank ``rank`` of a trainer group training the
     Hugging Face checkpoint ``checkpoint``. Rank 0 returns the ``Trainer`` (and, with
@@ -765,6 +826,7 @@ def trainer_rank(
             threads=threads,
             controller=controller,
             resume=resume,
+            checkpoints=checkpoints,
         )
 
 
@@ -796,21 +858,63 @@ def _trainer_rank(
     threads: int,
     controller: str | None,
     resume: str | None,
+    checkpoints: str | None,
 ) -> Actor:
     torch.set_num_threads(threads)
     training = convert(settings or {}, TrainingSettings, "trainer settings")
-    init_process_group(rank, world_size, rendezvous)
-    engine = DeepSpeedTrainer(checkpoint, training, resume=resume)
+    # each start of the group meets afresh: a killed group leaves its rendezvous file behind
+    init_process_group(rank, world_size, f"{rendezvous}.{os.environ.get(START_ENV, '0')}")
+    start = _choose_start(rank, checkpoint, resume, store_name, checkpoints)
+    engine = DeepSpeedTrainer(
+        start.policy,
+        training,
+        resume=start.trainer,
+        gps=store_name if start.source == "gps" else None,
+    )
     store = None
     if rank == 0 and store_name is not None:
         from pivot.actors.param_store import ParameterStore
 
-        store = ParameterStore(store_name)
+        # the job's: it outlives this process, and a restarted rank 0 takes it over
+        store = ParameterStore(store_name, adopt=True)
     group = RankGroup(engine, store=store)
     bus = Bus.nng(Directory.from_dict(directory), rl_messages(), secret=job_secret())
     if rank == 0:
-        return Trainer(name, bus, backend=DeepSpeedBackend(group), controller=controller)
+        restarted = None
+        if not first_start():
+            restarted = TrainerRestart(
+                source=start.source,
+                version=start.version,
+                checkpoint=start.checkpoint,
+                exact=start.exact,
+            )
+        return Trainer(
+            name, bus, backend=DeepSpeedBackend(group), controller=controller, restarted=restarted
+        )
     return TrainerFollower(name, bus, group=group)
+
+
+def _choose_start(
+    rank: int,
+    checkpoint: str,
+    resume: str | None,
+    store: str | None,
+    checkpoints: str | None,
+) -> TrainerStart:
+    """Where this group starts (``trainer_start``): rank 0 chooses and leaves its choice in
+    the rendezvous store, the other ranks take it from there, so that a checkpoint committed
+    while they look cannot split them."""
+    import torch.distributed as dist
+
+    kv = dist.distributed_c10d._get_default_store()  # noqa: SLF001 - the rendezvous's own
+    if rank != 0:
+        return msgspec.json.decode(kv.get(_START_KEY), type=TrainerStart)
+    version = read_checkpoint(Path(resume).parent).state.policy_version if resume else 0
+    start = TrainerStart(source="start", version=version, policy=checkpoint, trainer=resume)
+    latest = Checkpoints(Path(checkpoints)).latest() if checkpoints else None
+    chosen = trainer_start(start, published_version(store), latest)
+    kv.set(_START_KEY, msgspec.json.encode(chosen))
+    return chosen
 
 
 def trainer_group(
@@ -827,19 +931,22 @@ def trainer_group(
     policy: RestartPolicy | None = None,
     ready_timeout: float = 600.0,
     resume: str | Path | None = None,
+    checkpoints: str | Path | None = None,
 ) -> list[tuple[str, ChildProcess]]:
     """The child processes of every rank of a trainer group, by actor name (``trainer_names``,
     each of which ``directory`` must hold), in the order to supervise them.
 
-    Ranks meet through a file in ``run_dir`` (no TCP port to pick; a stale one from an
-    earlier run is removed). They start together (the supervisor starts consecutive
-    processes at once), rank 0 added last so that it stops first and tells the others to
-    quit. ``controller``: see ``Trainer`` (None: a batch that finds the pool lent reloads
-    at once). ``policy`` defaults to no restart: one restarted rank cannot rejoin a group, so a
-    crash stops the job. ``ready_timeout`` covers imports, the rendezvous and loading the
-    model (plus the FusedAdam JIT build at ZeRO-3 the first time). ``resume``: a checkpoint's
-    ``trainer/`` folder (``DeepSpeedTrainer.save``) whose optimizer state and version the
-    group continues from; ``checkpoint`` is then that checkpoint's ``policy/``.
+    Ranks meet through a file in ``run_dir``, one per start of the group (no TCP port to
+    pick; stale ones from an earlier run are removed). They are one supervised group, named
+    ``name`` (a rank that dies takes the others down and all start again: a gloo group cannot
+    lose a rank), started together, rank 0 added last so that it stops first and tells the
+    others to quit. ``controller``: see ``Trainer`` (None: a batch that finds the pool lent
+    reloads at once). ``policy``: the group's restart policy, by default none: a crash stops
+    the job. ``ready_timeout`` covers imports, the rendezvous and loading the model (plus the
+    FusedAdam JIT build at ZeRO-3 the first time). ``resume``: a checkpoint's ``trainer/``
+    folder (``DeepSpeedTrainer.save``) whose optimizer state and version the group continues
+    from; ``checkpoint`` is then that checkpoint's ``policy/``. ``checkpoints``: the run's
+    checkpoints folder, where a restarted group looks for the last complete one.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, found {world_size}")
@@ -850,7 +957,8 @@ def trainer_group(
         raise ValueError(f"the directory has no entry for trainer ranks {missing}")
     rendezvous = Path(run_dir).absolute() / f"{name}.rendezvous"
     rendezvous.parent.mkdir(parents=True, exist_ok=True)
-    rendezvous.unlink(missing_ok=True)
+    for stale in rendezvous.parent.glob(f"{rendezvous.name}*"):
+        stale.unlink(missing_ok=True)
     settings_dict = _settings_dict(settings or TrainingSettings())
     env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     return [
@@ -864,16 +972,19 @@ def trainer_group(
                     "rank": rank,
                     "world_size": world_size,
                     "rendezvous": f"file://{rendezvous}",
-                    "store_name": store_name if rank == 0 else None,
+                    # rank 0 writes it; every rank may restart from the version it publishes
+                    "store_name": store_name,
                     "settings": settings_dict,
                     "threads": threads,
                     "controller": controller if rank == 0 else None,
                     "resume": str(Path(resume).absolute()) if resume is not None else None,
+                    "checkpoints": str(Path(checkpoints).absolute()) if checkpoints else None,
                 },
                 env=env,
                 ready_timeout=ready_timeout,
                 policy=policy or RestartPolicy(restart="never"),
                 stop_timeout=15.0,
+                group=name,
             ),
         )
         for rank in [*range(1, world_size), 0]
@@ -889,6 +1000,4 @@ def add_trainer_group(supervisor: Supervisor, name: str, **group: Any) -> list[s
 
 
 def _settings_dict(settings: TrainingSettings) -> dict[str, Any]:
-    import msgspec
-
     return msgspec.to_builtins(settings)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+import msgspec
+
 from pivot.actors.messages import RLMessage
 from pivot.training import RolloutSample, TrainStats
 
@@ -18,12 +20,26 @@ TrainerStateName = Literal["idle", "training", "offloaded"]
 
 class TrainBatch(RLMessage, kw_only=True):
     """Driver -> trainer: run one GRPO step on these scored completions. ``step``: the
-    driver's step number, for logs and the reply."""
+    driver's step number, for logs and the reply. ``version``: the policy version the step
+    trains from; a trainer at another refuses it (None: any)."""
 
     samples: list[RolloutSample]
     step: int = -1
     # after the step, save a checkpoint into this folder (DeepSpeedTrainer.save); "": none
     checkpoint: str = ""
+    version: int | None = None
+
+
+class TrainerRestart(msgspec.Struct, frozen=True, kw_only=True):
+    """How a trainer group that died came back: from ``source`` (``checkpoint``, the last
+    complete one, named by ``checkpoint``; ``gps``, the GPS copy of the weights with a fresh
+    optimizer; ``start``, the job's own starting point), at policy ``version``. ``exact``:
+    training goes on as if nothing had happened (weights, optimizer and rng restored)."""
+
+    source: str
+    version: int
+    checkpoint: str | None
+    exact: bool
 
 
 class SimTrainBatch(RLMessage, kw_only=True):
@@ -44,6 +60,9 @@ class Trained(RLMessage, kw_only=True):
     gps_version: int | None = None
     gps_write_s: float = 0.0
     checkpoint_s: float = 0.0  # the checkpoint the batch asked for, written before the reply
+    # the trainer group died since its last reply (during this step, or before it) and came
+    # back so; the step was trained by the group that came back
+    restart: TrainerRestart | None = None
 
 
 class OffloadTrainer(RLMessage, kw_only=True):

@@ -11,6 +11,14 @@ Child processes run ``python -m pivot.bus.child`` in their own process group. Th
 ask the kernel for SIGTERM when the supervisor dies (``PR_SET_PDEATHSIG``), and the
 supervisor stops them with SIGTERM to the group, then SIGKILL after ``stop_timeout``.
 So neither a clean stop, nor a signal, nor a crash of the supervisor leaves orphans.
+
+Process children added with the same ``group`` are supervised as one unit (the ranks of
+a collective group, which cannot lose a member): when one exits, the others are stopped,
+and all of them start again together. The group has one restart count and one policy (its
+first member's); its events and its escalation carry the group's name, the failure names
+the member that died first. Members start together, so each one's ``START_ENV`` is also the
+group's start count: what they must meet at afresh each time (a rendezvous) can be named by
+it.
 """
 
 from __future__ import annotations
@@ -227,6 +235,58 @@ class _ProcessChild(_Child):
         _signal_group(process.pid, signal.SIGKILL)
 
 
+class _ProcessGroup(_Child):
+    """Process children that live and die together (see the module docstring)."""
+
+    def __init__(self, name: str, policy: RestartPolicy) -> None:
+        self.name = name
+        self.policy = policy
+        self.members: list[_ProcessChild] = []
+
+    async def start(self) -> None:
+        """Every member at once (they may wait for each other, as ranks at a rendezvous);
+        one that fails stops the others at once, rather than leaving them waiting for it."""
+        starts = [asyncio.ensure_future(m.start()) for m in self.members]
+        done, pending = await asyncio.wait(starts, return_when=asyncio.FIRST_EXCEPTION)
+        failed = [t.exception() for t in starts if t in done and t.exception() is not None]
+        if failed:
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            await self.stop()
+            raise failed[0]
+
+    async def wait_exit(self) -> str | None:
+        """When the first member exits, the others are stopped: None when every member exits
+        cleanly by itself, else the first failure, named by its member."""
+        waits = {asyncio.ensure_future(m.wait_exit()): m for m in self.members}
+        ended: list[asyncio.Future[str | None]] = []  # in the order the members' ends were seen
+        for task in waits:
+            task.add_done_callback(ended.append)
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.sleep(0)  # the done callbacks run
+            first = ended[0]
+            failure = first.result()
+            if failure is not None:
+                await self.stop()
+                return f"{waits[first].name}: {failure}"
+            for task, member in waits.items():  # the others are ending too, or fail
+                failure = await task
+                if failure is not None:
+                    await self.stop()
+                    return f"{member.name}: {failure}"
+            return None
+        finally:
+            for task in waits:
+                task.cancel()
+
+    async def stop(self) -> None:
+        """Last added first (the one that tells the others to quit)."""
+        for member in reversed(self.members):
+            await member.stop()
+
+
 def _failed(line: bytes) -> str | None:
     if line.startswith(b"FAILED "):
         return line[len(b"FAILED ") :].decode(errors="replace").strip()
@@ -258,6 +318,7 @@ class Supervisor:
         self._listeners: list[Callable[[SupervisorEvent], None]] = []
         self.log = get_logger(actor=name)
         self._children: dict[str, _Child] = {}
+        self._members: dict[str, _ProcessChild] = {}  # the process children of groups
         self._watchers: dict[str, asyncio.Task[None]] = {}
         self._restarts: dict[str, list[float]] = {}
         self._escalation: SupervisorEscalation | None = None
@@ -290,6 +351,7 @@ class Supervisor:
         stop_timeout: float = 5.0,
         restart_kwargs: Mapping[str, Any] | None = None,
         after_earlier: bool = False,
+        group: str | None = None,
     ) -> None:
         """An actor run in a child process: ``target`` is ``"module:function"``, called
         there as ``function(name, **kwargs)`` (kwargs must be JSON) and returning the
@@ -297,27 +359,41 @@ class Supervisor:
         ``kwargs`` (a restarted agent starts free). ``after_earlier``: it starts once the
         children added before it are ready, not together with them (it talks to them as it
         starts). Pass secrets through ``env``, not ``kwargs``: the command line is visible
-        to every local user."""
+        to every local user. ``group``: the unit it is restarted with (see the module
+        docstring; it may share its name with a member)."""
         if ":" not in target:
             raise ValueError(f"target must look like 'package.module:function', got {target!r}")
-        self._add(
-            _ProcessChild(
-                name,
-                target,
-                kwargs or {},
-                policy or self.policy,
-                {**self._child_env, **(env or {})},
-                ready_timeout,
-                stop_timeout,
-                restart_kwargs,
-                after_earlier,
-            )
+        child = _ProcessChild(
+            name,
+            target,
+            kwargs or {},
+            policy or self.policy,
+            {**self._child_env, **(env or {})},
+            ready_timeout,
+            stop_timeout,
+            restart_kwargs,
+            after_earlier,
         )
+        if group is None:
+            self._add(child)
+            return
+        if name in self._members or (name in self._children and name != group):
+            raise ValueError(f"a child named {name!r} is already supervised")
+        unit = self._children.get(group)
+        if unit is None:
+            unit = _ProcessGroup(group, child.policy)
+            self._add(unit)
+        elif not isinstance(unit, _ProcessGroup):
+            raise ValueError(f"{group!r} is a child, not a group")
+        unit.members.append(child)
+        self._members[name] = child
 
     def _add(self, child: _Child) -> None:
         if self._started:
             raise RuntimeError("add children before start()")
-        if child.name in self._children:
+        if child.name in self._children or (
+            child.name in self._members and not isinstance(child, _ProcessGroup)
+        ):
             raise ValueError(f"a child named {child.name!r} is already supervised")
         self._children[child.name] = child
 
@@ -327,8 +403,8 @@ class Supervisor:
         return child.actor if isinstance(child, _ActorChild) else None
 
     def pid(self, name: str) -> int | None:
-        """The current pid of a process child."""
-        child = self._children.get(name)
+        """The current pid of a process child (a group's member too)."""
+        child = self._members.get(name) or self._children.get(name)
         return child.pid if isinstance(child, _ProcessChild) else None
 
     def restarts(self, name: str) -> int:
@@ -350,8 +426,10 @@ class Supervisor:
         started: list[_Child] = []
         batches: list[list[_Child]] = []
         for child in self._children.values():
-            together = isinstance(child, _ProcessChild) and not child.after_earlier and batches
-            if together and all(isinstance(c, _ProcessChild) for c in batches[-1]):
+            processes = (_ProcessChild, _ProcessGroup)
+            alone = isinstance(child, _ProcessChild) and child.after_earlier
+            together = isinstance(child, processes) and not alone and batches
+            if together and all(isinstance(c, processes) for c in batches[-1]):
                 batches[-1].append(child)
             else:
                 batches.append([child])

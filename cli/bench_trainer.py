@@ -58,6 +58,7 @@ async def bench(
     """Start a trainer group of ``world_size`` ranks, time ``steps`` training steps, GPS
     writes, offload and reload; medians in milliseconds."""
     from pivot.actors.assembly import trainer_names
+    from pivot.actors.param_store import remove_store
     from pivot.actors.trainer_deepspeed import add_trainer_group
     from pivot.actors.trainer_messages import OffloadTrainer, ReloadTrainer, TrainBatch
     from pivot.actors.vocabulary import rl_messages
@@ -68,6 +69,7 @@ async def bench(
     directory = Directory.ipc(run, [*names, "bench"])
     supervisor = Supervisor()
     started = time.perf_counter()
+    store = f"pivot-bench-{uuid.uuid4().hex[:8]}"
     add_trainer_group(
         supervisor,
         "trainer",
@@ -75,7 +77,7 @@ async def bench(
         checkpoint=checkpoint,
         world_size=world_size,
         run_dir=run,
-        store_name=f"pivot-bench-{uuid.uuid4().hex[:8]}",
+        store_name=store,
         settings=settings,
     )
     await supervisor.start()
@@ -101,6 +103,7 @@ async def bench(
         await probe.stop()
         await bus.close()
         await supervisor.stop()
+        remove_store(store)  # the trainer's store outlives its ranks (a job's GPS)
 
     def ms(values: list[float]) -> float:
         return round(1000 * statistics.median(values), 2)

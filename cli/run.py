@@ -39,8 +39,10 @@ from pivot.actors.checkpoints import Checkpoint
 from pivot.actors.controller import ControllerSettings
 from pivot.actors.driver import Scores, StepReport
 from pivot.actors.monitor import Monitor
+from pivot.actors.param_store import job_store_name, remove_orphaned_stores, remove_store
 from pivot.actors.processes import ControllerSpec, ProcessBackend
 from pivot.actors.sources import FunctionReward, GenRMJudge, PromptSource
+from pivot.actors.trainer import restart_text
 from pivot.actors.vocabulary import rl_messages
 from pivot.assets import ASSETS
 from pivot.bus import Bus, Directory, RestartPolicy, Supervisor, configure_logging, run_real
@@ -157,6 +159,7 @@ class Job:
         # ipc paths must stay under ~100 bytes: sockets live in a short temporary folder; those
         # of runs killed before they could remove theirs go now
         remove_orphaned_socket_dirs()
+        remove_orphaned_stores()  # GPS stores of runs killed before they could remove theirs
         self.sockets = make_socket_dir()
         directory = Directory.ipc(self.sockets, self._names())
         # the children sign with the job's secret when one is set: this process must too
@@ -179,7 +182,7 @@ class Job:
         self.backend = ProcessBackend(
             directory,
             checkpoints=checkpoints,
-            store=f"pivot-gps-{os.getpid()}",
+            store=job_store_name(),
             router=lambda role: make_router(
                 RouterSettings(
                     policy="lowest_itl", max_concurrent_per_replica=self.job.model.max_running
@@ -192,6 +195,12 @@ class Job:
             training=self.job.training,
             rendezvous_dir=self.sockets,
             resume=resume.trainer if resume is not None else None,
+            checkpoint_dir=checkpoints_of(run_dir).root,
+            # a rank that dies brings the whole group back (a gloo group cannot lose one)
+            trainer_restart=RestartPolicy(
+                max_restarts=job.control.trainer_restarts,
+                window=job.control.trainer_restart_window_s,
+            ),
             controller=self.controller,
         )
 
@@ -219,6 +228,11 @@ class Job:
             if dump is not None:
                 dump.flush()
             loss = f" loss {report.train['loss']:+.3f}" if report.train else ""
+            if report.trainer_restart is not None:
+                console.print(
+                    f"    step {report.step}: {restart_text(report.trainer_restart)}",
+                    style="yellow",
+                )
             if self.view is not None:
                 self.view.on_step(report.scores, report.samples_per_s)
             console.print(
@@ -322,6 +336,7 @@ class Job:
             failed.cancel()
         finally:
             await sup.stop()
+            remove_store(self.backend.store)  # the job's: it outlived every trainer rank
             await counters.close()  # the children wrote their final counts as they stopped
             await self.bus.close()
             sup.remove_signal_handlers()

@@ -8,7 +8,9 @@ the rules that span sections.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
+
+import msgspec
 
 from pivot.cluster import Role
 from pivot.config import (
@@ -150,11 +152,15 @@ class ControlSection(ConfigStruct):
     steps of minutes; the tiny job's steps take seconds, so its defaults are scaled down.
     ``stall_timeout_s``: a step during which no response and no score arrives for this long
     stops the job with an error naming the stage it waits on (a lost sequence would
-    otherwise hang it)."""
+    otherwise hang it). ``trainer_restarts``: how often the trainer group (all its ranks,
+    after one died) is restarted within ``trainer_restart_window_s``; the next death stops
+    the job (0: the first does)."""
 
     interval_s: Seconds = 0.1
     command_timeout_s: Seconds = 60.0
     stall_timeout_s: Seconds = 300.0
+    trainer_restarts: Annotated[int, msgspec.Meta(ge=0, le=100)] = 2
+    trainer_restart_window_s: Seconds = 600.0
     planner: PlannerSettings = PlannerSettings(
         horizon_s=4.0, cooldown_s=0.3, immunity_s=0.3, migrate_time_init_s=0.3
     )

@@ -376,3 +376,53 @@ def test_a_signal_ignored_before_stays_ignored() -> None:
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGHUP, saved)
+
+
+async def test_a_group_restarts_as_one_and_escalates_naming_the_member(tmp_path_factory) -> None:
+    """Process children of one group (a trainer's ranks) live and die together: one that
+    crashes takes the others down, all start again, one restart counted for the group; past
+    its budget the escalation names the group and the member that died."""
+    directory = Directory.ipc(tmp_path_factory.mktemp("ipc"), ["a", "b", "probe"])
+    supervisor = Supervisor(policy=RestartPolicy(max_restarts=1, backoff=0.05))
+    for name in ("b", "a"):
+        supervisor.add_process(
+            name,
+            "pivot.bus.testing:echo_actor",
+            kwargs={"directory": directory.to_dict()},
+            group="a",
+        )
+    bus = Bus.nng(directory, TESTING_MESSAGES)
+    await supervisor.start()
+    try:
+        first = {n: supervisor.pid(n) for n in ("a", "b")}
+        async with started(Actor("probe", bus)) as (probe,):
+            await probe.request("b", Crash(), timeout=5)
+            for _ in range(400):
+                if timeline(supervisor, "a")[-1][1] == "started" and supervisor.restarts("a"):
+                    break
+                await asyncio.sleep(0.05)
+            assert [e for _, e in timeline(supervisor, "a")] == [
+                "started",
+                "crashed",
+                "restarting",
+                "started",
+            ]
+            assert not alive(first["a"]) and not alive(first["b"])  # a went down with b
+            for name in ("a", "b"):  # both serve again, in new processes
+                reply = None
+                for _ in range(100):
+                    try:
+                        reply = await probe.request(name, Echo(text=name), timeout=0.5)
+                        break
+                    except (Unreachable, RequestTimeout):
+                        await asyncio.sleep(0.05)
+                assert reply is not None and reply.text == name
+                assert supervisor.pid(name) not in (None, first[name])
+            await probe.request("a", Crash(), timeout=5)
+            with pytest.raises(SupervisorEscalation) as escalated:
+                await asyncio.wait_for(supervisor.wait(), 30)
+    finally:
+        await supervisor.stop()
+        await bus.close()
+    assert "child 'a' failed 2 times within 60 s (the last: a: exit code 1" in str(escalated.value)
+    assert not alive(supervisor.pid("a")) and not alive(supervisor.pid("b"))

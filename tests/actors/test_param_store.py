@@ -21,6 +21,9 @@ from pivot.actors.param_store import (
     ParameterStore,
     StoreClosed,
     StoreError,
+    job_store_name,
+    remove_orphaned_stores,
+    remove_store,
     slot_name,
 )
 from pivot.gps import FLAT, LayoutError, TensorLayout
@@ -353,3 +356,54 @@ def test_close_leaves_nothing_in_dev_shm():
     store.close()
     store.close()  # idempotent
     assert gps_segments() == before
+
+
+def test_an_adopted_store_outlives_its_writer_and_the_next_one_goes_on_from_it():
+    """A job's store (``adopt``): the writer that stops (or dies) leaves the published version
+    readable, to the readers attached all along and to the next writer, which publishes the
+    versions after it in the same store; the job removes the segments at its end."""
+    name = job_store_name(os.getpid()) + "-adopt"
+    first = ParameterStore(name, adopt=True)
+    reader = ParameterReader(name)
+    for v in (1, 2, 3):
+        first.write({"w": torch.full((100,), float(v))}, version=v)
+    first.close()  # no unlink: what it published stays
+    w = torch.zeros(100)
+    assert reader.read({"w": w}) == 3 and w[0] == 3.0
+    second = ParameterStore(name, adopt=True)
+    assert second.version == 3
+    with pytest.raises(StoreError, match="versions must increase"):
+        second.write({"w": torch.zeros(100)}, version=3)
+    for v in (4, 5, 6):  # recycles the slots the first writer left, never the published one
+        second.write({"w": torch.full((100,), float(v))})
+    assert reader.read({"w": w}) == 6 and w[0] == 6.0
+    assert len([n for n in gps_segments() if n.startswith(name)]) == 1 + second.slots
+    second.close()
+    reader.close()
+    remove_store(name)
+    assert not [n for n in gps_segments() if n.startswith(name)]
+
+
+def test_the_stores_of_dead_jobs_are_removed_and_the_living_ones_kept():
+    dead = subprocess_pid()  # a pid that has exited
+    orphan = ParameterStore(job_store_name(dead), adopt=True)
+    orphan.write({"w": torch.ones(10)})
+    orphan.close()
+    living = ParameterStore(job_store_name(os.getpid()), adopt=True)
+    living.write({"w": torch.ones(10)})
+    try:
+        assert remove_orphaned_stores() == [job_store_name(dead)]
+        names = gps_segments()
+        assert job_store_name(dead) not in names and slot_name(job_store_name(dead), 0) not in names
+        assert {living.name, slot_name(living.name, 0)} <= names
+    finally:
+        living.close()
+        remove_store(living.name)
+
+
+def subprocess_pid() -> int:
+    import subprocess
+
+    process = subprocess.Popen(["true"])
+    process.wait()  # reaped: nothing runs under that pid now
+    return process.pid

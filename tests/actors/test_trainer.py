@@ -20,9 +20,9 @@ import torch
 
 from pivot.actors.assembly import trainer_names
 from pivot.actors.messages import Ack
-from pivot.actors.param_store import ParameterReader
+from pivot.actors.param_store import ParameterReader, ParameterStore, remove_store
 from pivot.actors.shift_messages import TrainerPhaseChanged
-from pivot.actors.trainer import Trainer, TrainResult
+from pivot.actors.trainer import Trainer, TrainResult, restart_text
 from pivot.actors.trainer_deepspeed import (
     RankCommand,
     add_trainer_group,
@@ -37,6 +37,7 @@ from pivot.actors.trainer_messages import (
     SimTrainBatch,
     TrainBatch,
     Trained,
+    TrainerRestart,
     TrainerState,
     TrainerStatus,
 )
@@ -45,6 +46,7 @@ from pivot.actors.vocabulary import rl_messages
 from pivot.bus import (
     Actor,
     Bus,
+    BusError,
     Directory,
     LocalTransport,
     RemoteError,
@@ -129,12 +131,23 @@ class Rig:
     """A trainer over a 1B-parameter policy on two simulated devices, a controller that
     records being asked for the pool, and a client."""
 
-    def __init__(self, clock: VirtualClock, *, controller: str | None, backend=SimTrainingBackend):  # noqa: ANN001
+    def __init__(
+        self,
+        clock: VirtualClock,
+        *,
+        controller: str | None,
+        backend=SimTrainingBackend,  # noqa: ANN001
+        restarted: TrainerRestart | None = None,
+    ):
         bus = Bus.local(rl_messages(), transport=LocalTransport(), clock=clock)
         self.clock = clock
         self.sim = SimTrainer(params_b=1.0, devices=2)
         self.trainer = Trainer(
-            "trainer", bus, backend=backend(self.sim, clock=clock), controller=controller
+            "trainer",
+            bus,
+            backend=backend(self.sim, clock=clock),
+            controller=controller,
+            restarted=restarted,
         )
         self.boss = FakeController("controller", bus)
         self.client = Actor("client", bus)
@@ -284,13 +297,43 @@ def test_a_bad_batch_is_an_error_reply_before_anything_runs() -> None:
     run_virtual(main)
 
 
-def test_a_backend_failure_fails_the_request_and_crashes_the_trainer() -> None:
+def test_a_failed_step_crashes_the_trainer_and_leaves_its_request_unanswered() -> None:
+    """No error reply: a transport that resends an unanswered request (nng's req socket, when
+    the trainer's process is gone) hands the batch to the trainer started next."""
+
     async def main(clock: VirtualClock) -> None:
         async with Rig(clock, controller="controller", backend=BrokenBackend) as rig:
-            with pytest.raises(RemoteError, match="rank 1 is gone"):
-                await rig.ask(BATCH)
+            step = asyncio.ensure_future(rig.ask(BATCH))
             with pytest.raises(RuntimeError, match="training backend command failed"):
                 await asyncio.wait_for(rig.trainer.wait(), 5)
+            with pytest.raises(BusError) as failed:
+                await step
+            assert not isinstance(failed.value, RemoteError), failed.value
+
+    run_virtual(main)
+
+
+def test_a_batch_for_another_version_is_refused_before_anything_runs() -> None:
+    async def main(clock: VirtualClock) -> None:
+        async with Rig(clock, controller=None) as rig:
+            with pytest.raises(
+                RemoteError, match="trains from policy version 3, the trainer holds version 0"
+            ):
+                await rig.ask(TrainBatch(samples=[], step=2, version=3))
+            assert rig.published() == [] and clock.now() == 0.0
+
+    run_virtual(main)
+
+
+def test_a_restarted_trainer_says_how_it_came_back_in_its_next_reply() -> None:
+    restart = TrainerRestart(source="gps", version=0, checkpoint=None, exact=False)
+
+    async def main(clock: VirtualClock) -> None:
+        async with Rig(clock, controller=None, restarted=restart) as rig:
+            first = await rig.ask(BATCH, expect=Trained)
+            second = await rig.ask(BATCH, expect=Trained)
+            assert (first.restart, second.restart) == (restart, None)
+        assert "optimizer moments reset" in restart_text(restart)
 
     run_virtual(main)
 
@@ -435,6 +478,7 @@ async def group(tmp_path_factory: pytest.TempPathFactory, request: pytest.Fixtur
         await probe.stop()
         await bus.close()
         await supervisor.stop()
+        remove_store(store)  # the job's: it outlives the ranks
 
 
 @ON_GROUP
@@ -628,3 +672,57 @@ async def test_stopping_the_supervisor_ends_every_rank(group: Group) -> None:
             os.kill(pid, 0)
     events = [(e.child, e.event) for e in group.supervisor.events]
     assert not [e for e in events if e[1] in ("crashed", "escalated")], events
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_group_with_no_checkpoint_of_the_published_version_starts_from_gps(tmp_path):
+    """A trainer group restarted where no checkpoint holds the version GPS published last (one
+    rank here; the job's store holds version 3, weights unlike the checkpoint's): it takes
+    those weights as they are, at version 3, with a fresh optimizer and the learning rate of
+    step 3, publishes nothing again, and its next step is version 4."""
+    from pivot.grpo import warmup_factor
+
+    checkpoint = make_checkpoint(tmp_path / "tiny")
+    weights = {n: t * 0.5 for n, t in load_model(checkpoint).state_dict().items()}
+    store = f"pivot-test-trainer-{uuid.uuid4().hex[:8]}"
+    seeded = ParameterStore(store, adopt=True)
+    seeded.write(weights, version=3)
+    seeded.close()  # what a rank 0 that died leaves
+    settings = msgspec.structs.replace(SETTINGS, warmup_steps=10)
+    directory = Directory.ipc(tmp_path, ["trainer", "probe"])
+    supervisor = Supervisor()
+    add_trainer_group(
+        supervisor,
+        "trainer",
+        directory=directory,
+        checkpoint=checkpoint,
+        world_size=1,
+        run_dir=tmp_path,
+        store_name=store,
+        settings=settings,
+        checkpoints=tmp_path / "checkpoints",  # none complete
+    )
+    bus = Bus.nng(directory, rl_messages())
+    probe = Actor("probe", bus)
+    try:
+        await supervisor.start()
+        await probe.start()
+        status = await probe.request(
+            "trainer", QueryTrainer(fingerprints=True), expect=TrainerStatus, timeout=TIMEOUT
+        )
+        assert status.version == 3 and status.fingerprints == [fingerprint(weights)]
+        with ParameterReader(store) as reader:
+            assert reader.published_version() == 3  # not published again
+        trained = await probe.request(
+            "trainer",
+            TrainBatch(samples=make_samples(checkpoint), step=3, version=3),
+            expect=Trained,
+            timeout=TIMEOUT,
+        )
+        assert trained.stats.version == trained.gps_version == 4
+        assert trained.stats.lr == pytest.approx(settings.lr * warmup_factor(3, 10))
+    finally:
+        await probe.stop()
+        await bus.close()
+        await supervisor.stop()
+        remove_store(store)

@@ -291,14 +291,14 @@ def _is_agent(pid: int) -> bool:
         return False
 
 
-def _resume_config(tmp_path: Path) -> Path:
+def _resume_config(tmp_path: Path, steps: int = 6, every: int = 2) -> Path:
     """The fixed run's job, six steps, a checkpoint every two."""
     config = tmp_path / "job.toml"
     config.write_text(
         CONFIG.format(policy="tiny-policy", genrm="tiny-genrm").replace(
-            f"steps = {STEPS}", "steps = 6"
+            f"steps = {STEPS}", f"steps = {steps}"
         )
-        + "[deployment]\nkind = 'disaggregated'\n[checkpoint]\nevery = 2\n"
+        + f"[deployment]\nkind = 'disaggregated'\n[checkpoint]\nevery = {every}\n"
     )
     return config
 
@@ -371,16 +371,17 @@ def test_a_resumed_run_gives_the_uninterrupted_runs_steps(fixed_run, tmp_path):
 
 
 def test_a_crash_while_a_checkpoint_is_written_leaves_the_one_before(fixed_run, tmp_path):
-    """The trainer dies mid-checkpoint after step 3 (the test kit's fault, PIVOT_FAULT): the
-    job fails, the torn checkpoint is never complete, the one after step 1 still is, and
-    --resume from it gives the uninterrupted run's steps."""
+    """The trainer dies mid-checkpoint after step 3 (the test kit's fault, PIVOT_FAULT) with no
+    restart allowed (``control.trainer_restarts=0``, the budget spent): the job fails, the
+    torn checkpoint is never complete, the one after step 1 still is, and --resume from it
+    gives the uninterrupted run's steps."""
     import os
 
     from pivot.actors.checkpoints import Checkpoints
 
     config, run_dir = _resume_config(tmp_path), tmp_path / "run"
     crashed = subprocess.run(
-        [*PIVOT, "run", str(config), "--run-dir", str(run_dir)],
+        [*PIVOT, "run", str(config), "--run-dir", str(run_dir), "control.trainer_restarts=0"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -390,7 +391,7 @@ def test_a_crash_while_a_checkpoint_is_written_leaves_the_one_before(fixed_run, 
     assert crashed.returncode == 1, crashed.stderr[-2000:]
     assert "Traceback" not in crashed.stdout + crashed.stderr
     [said] = [line for line in crashed.stdout.splitlines() if "the job stopped" in line]
-    assert "child 'trainer' failed (exit code 70) and is not restarted" in said
+    assert "child 'trainer' failed (trainer: exit code 70) and is not restarted" in said
     assert f"pivot run --resume {run_dir} (from step-000001)" in said
     assert (run_dir / "throughput.png").read_bytes()[:4] == b"\x89PNG"  # what ran, plotted
     root = run_dir / "checkpoints"
@@ -450,3 +451,50 @@ def test_killed_agents_come_back_free_and_the_run_gives_the_undisturbed_steps(fi
     assert [r["samples"] for r in run.reports] == [BATCH] * steps
     assert all(r["duplicates"] == 0 for r in run.reports)
     _same_steps(run.reports, fixed_run.reports[:steps], moved=True)
+
+
+def test_a_killed_trainer_rank_brings_the_group_back_and_the_run_goes_on(fixed_run, tmp_path):
+    """kill -9 of trainer rank 1 mid-step 1 (the test kit's fault: ``crash-in-step:2:1``, rank 1
+    in the step that makes policy v2, between backward and update), a checkpoint after every
+    step: the whole group comes back from the checkpoint of step 0 (exact: weights, optimizer,
+    rng), the step in flight is trained once by it, and every step equals the undisturbed
+    run's (its first four)."""
+    import os
+
+    config, run_dir = _resume_config(tmp_path, steps=4, every=1), tmp_path / "run"
+    done = subprocess.run(
+        [*PIVOT, "run", str(config), "--run-dir", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PIVOT_FAULT": "crash-in-step:2:1"},
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "done: 4 steps" in done.stdout
+    said = [line for line in done.stdout.splitlines() if "trainer group restarted" in line]
+    assert said == [
+        f"    step 1: trainer group restarted from checkpoint {run_dir / 'checkpoints' / 'step-000000'}"
+        " at policy v1 (weights, optimizer and rng exact)"
+    ]
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["trainer_restart"] for r in steps] == [
+        None,
+        {
+            "source": "checkpoint",
+            "version": 1,
+            "checkpoint": str(run_dir / "checkpoints" / "step-000000"),
+            "exact": True,
+        },
+        None,
+        None,
+    ]
+    for r in steps:  # every sample scored once and trained on once
+        assert r["samples"] == r["train"]["sequences"] == BATCH and r["duplicates"] == 0
+    assert [r["train"]["version"] for r in steps] == [1, 2, 3, 4]  # step 1 trained once
+    _same_steps(steps, fixed_run.reports[:4])
+    log = [_parse(line) for line in (run_dir / "actors.log").read_text().splitlines()]
+    restarts = [e for e in log if e.get("event") == "restarting child"]
+    assert [(e["child"], e["failure"].split(":")[0]) for e in restarts] == [
+        ("trainer", "trainer-1")
+    ]
+    assert "exit code -9" in restarts[0]["failure"]
