@@ -261,6 +261,38 @@ async def _no_registration() -> None:
     return None
 
 
+def test_an_agent_whose_reports_never_arrive_retries_within_its_budget_then_crashes():
+    from pivot.actors.messages import Assign
+    from pivot.retry import RetriesExhausted, RetryBudget
+
+    async def main(clock):
+        bus = Bus.local(rl_messages(), transport=LocalTransport(), clock=clock)
+        budget = RetryBudget(attempts=3, backoff_s=1.0, max_backoff_s=1.5)
+        agent = RoleAgent(
+            "agent",
+            bus,
+            engine=oracle_engine(),
+            role="rollout",
+            scheduler="nobody",  # nobody serves it: every report is Unreachable
+            stepping=Inline(),
+            report_retries=budget,
+        )
+        agent.on_start = _no_registration  # type: ignore[method-assign]
+        client = Actor("client", bus)
+        await agent.start()
+        await client.start()
+        work = Work(seq_id=7, prompt_ids=CODEC.encode("47+85="), sampling=SamplingParams(seed=2))
+        await client.request("agent", Assign(sequences=[work]))
+        started = clock.now()
+        with pytest.raises(RetriesExhausted, match="reporting 1 completions to 'nobody' failed 3"):
+            await agent.wait()
+        # two waits between the three attempts: 1.0 s, then 1.5 s (doubled, capped)
+        assert clock.now() - started == pytest.approx(2.5, abs=0.1)
+        await client.stop()
+
+    run_virtual(main)
+
+
 def test_scheduler_rejects_a_replica_of_the_wrong_role():
     from pivot.actors.messages import RegisterReplica
     from pivot.bus import RemoteError
