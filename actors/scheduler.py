@@ -27,7 +27,8 @@ removal took it back, or the agent retried a report whose reply it did not get.
 ``RemoveReplica`` and ``MigrateSequences`` wait on agents, so they run outside the request
 slots (``pivot.bus.actor``): however many removals wait on evacuations, the agents' reports
 still find a slot. A delivery downstream that fails is retried within ``delivery_retries``,
-then the scheduler crashes with one error naming it.
+then the scheduler crashes with one error naming it; a replica whose Assigns fail
+``assign_retries`` times in a row is cut from routing, with an error logged.
 """
 
 from __future__ import annotations
@@ -132,6 +133,7 @@ class Scheduler(Actor):
         ledger: SequenceLedger | None = None,
         request_timeout: float = 30.0,
         delivery_retries: RetryBudget | None = None,
+        assign_retries: RetryBudget | None = None,
     ) -> None:
         super().__init__(name, bus)
         self.role = role
@@ -139,6 +141,9 @@ class Scheduler(Actor):
         self.request_timeout = request_timeout
         self.delivery_retries = delivery_retries or RetryBudget()
         self._delivery_failures = 0  # consecutive
+        # consecutive failed Assigns per replica: when spent, the replica is cut from routing
+        self.assign_retries = assign_retries or RetryBudget()
+        self._assign_failures: defaultdict[str, int] = defaultdict(int)
         self.stale_reports = 0  # with a sequence no longer running on the replica it names
         self._router = _CutRouter(router)
         self.core = RoleScheduler(role, self._router, ledger or SequenceLedger())
@@ -445,6 +450,20 @@ class Scheduler(Actor):
                     self.core.abort(replica, [i for i in sent if i in running])
                 self.log.warning("assign failed", replica=replica, error=repr(error))
                 self._kick.set()
+                failures = self._assign_failures[replica] = self._assign_failures[replica] + 1
+                if self.assign_retries.spent(failures) and replica in self._agents:
+                    # the sequences would go back to it at once: route around it until the
+                    # Controller restores or removes it
+                    self._cut.add(replica)
+                    self._update_cut()
+                    self.log.error(
+                        "assigns keep failing: replica cut from routing",
+                        replica=replica,
+                        failures=failures,
+                        error=repr(error),
+                    )
+            else:
+                self._assign_failures.pop(replica, None)
 
     async def _assign(self, replica: str, works: list[Work], incarnation: int) -> None:
         async with self._lock(replica):
