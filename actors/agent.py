@@ -2,8 +2,9 @@
 
 It serves Assign (add sequences) and Abort (take them back with their partial output) from
 its role's scheduler, steps the engine while it has work, and reports finished sequences to
-the scheduler with a request (they must arrive: a failed report is kept and retried, never
-dropped). Engine steps run in a worker thread so that the actor keeps answering while the
+the scheduler with a request (they must arrive: a report that timed out is kept and retried
+within ``report_retries``, then the agent crashes with one error naming it; a report the
+scheduler refuses is not retried, the agent crashes at once). Engine steps run in a worker thread so that the actor keeps answering while the
 device computes; a lock keeps engine calls from overlapping a step.
 
 Changing role at run time (DESIGN.md, "Shifting a device group"). An agent sits on one
@@ -27,7 +28,7 @@ way, so no engine is ever rebuilt. The Controller drives the change (all idempot
 
     RoleAgent(name, bus, *, engine=None, role="free", scheduler=None, replica=None,
               engines=None, weights=None, models=None, device=None, devices=None,
-              report_timeout=30.0, stepping=None)
+              report_timeout=30.0, report_retries=None, stepping=None)
     CheckpointWeights(folder)            WeightLoader: a Hugging Face checkpoint folder
     engines_for(folders, stores, ...)    an engine and a WeightLoader per inference role
     StoreWeights(store, like)            WeightLoader: newest version in a GPS host store
@@ -79,10 +80,11 @@ from pivot.actors.shift_messages import (
     Release,
 )
 from pivot.actors.vocabulary import LOAD_TOPIC, rl_messages
-from pivot.bus import Actor, Bus, BusError, Directory, handles
+from pivot.bus import Actor, Bus, BusError, Directory, RequestTimeout, Unreachable, handles
 from pivot.bus.codec import job_secret
 from pivot.cluster import INFERENCE_ROLES, Role
 from pivot.engines.protocol import ContextKind, InferenceEngine, NamedTensors
+from pivot.retry import RetryBudget
 
 #: What a device drops on shift-down and takes back on shift-up (persistent context stays).
 SHIFT_CONTEXT = (ContextKind.TRANSIENT, ContextKind.WEIGHTS)
@@ -171,6 +173,7 @@ class RoleAgent(Actor):
         device: int | None = None,
         devices: Sequence[int] | None = None,
         report_timeout: float = 30.0,
+        report_retries: RetryBudget | None = None,
         stepping: Stepping | None = None,
     ) -> None:
         super().__init__(name, bus)
@@ -196,6 +199,8 @@ class RoleAgent(Actor):
             self.engines.get(self.role) if self._leads(self.devices) else None
         )
         self.report_timeout = report_timeout
+        self.report_retries = report_retries or RetryBudget()
+        self._report_failures = 0  # consecutive
         self.stepping: Stepping = stepping if stepping is not None else Threaded()
         self._engine_lock = asyncio.Lock()
         self._report_lock = asyncio.Lock()
@@ -315,7 +320,8 @@ class RoleAgent(Actor):
     def describe(self, msg: Describe) -> AgentState:
         return self.state()
 
-    @handles
+    # waits on a report in flight, which waits on the scheduler
+    @handles(calls_peers=True)
     async def evacuate(self, msg: Evacuate) -> Evacuated:
         if msg.replica != self.replica or self.engine is None:
             return Evacuated(replica=msg.replica)
@@ -422,7 +428,7 @@ class RoleAgent(Actor):
             engine.release(SHIFT_CONTEXT)  # back to what a free device holds
             raise
 
-    @handles
+    @handles(calls_peers=True)  # waits on the scheduler's RegisterReplica
     async def register(self, msg: Register) -> AgentState:
         if msg.replica != self.replica or self.role not in INFERENCE_ROLES:
             raise ShiftRefused(
@@ -478,18 +484,28 @@ class RoleAgent(Actor):
             if not self._unreported or self.scheduler is None:
                 return
             batch, self._unreported = self._unreported, []
+            what = f"agent {self.name!r}: reporting {len(batch)} completions to {self.scheduler!r}"
             try:
                 await self.request(
                     self.scheduler,
                     Finished(replica=self.replica or "", completions=batch),
                     timeout=self.report_timeout,
                 )
+                self._report_failures = 0
                 return
-            except BusError as exc:
-                # keep them: a completion is never dropped; the next turn retries
+            except (RequestTimeout, Unreachable) as exc:
+                # keep them: the scheduler may just be slow or restarting (it ignores, as
+                # stale, what it already had from a report whose reply was lost)
                 self._unreported[:0] = batch
+                self._report_failures += 1
+                if self.report_retries.spent(self._report_failures):
+                    raise self.report_retries.exhausted(what, exc) from exc
                 self.log.warning("report failed, will retry", error=repr(exc), pending=len(batch))
-        await self.clock.sleep(0.5)
+            except BusError as exc:
+                # the scheduler refused it (a stale completion is not refused, it is ignored):
+                # the same report would be refused again
+                raise RuntimeError(f"{what} was refused: {exc}") from exc
+        await self.clock.sleep(self.report_retries.backoff(self._report_failures))
 
     async def _publish_load(self, stats) -> None:  # noqa: ANN001 - EngineStats
         await self.publish(

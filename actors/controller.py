@@ -8,7 +8,8 @@
   measured here feed its ``record_shift_time``.
 * Executor: one shift at a time, through ``pivot.shift.ShiftTransaction``: each phase's
   commands go out as requests (concurrently within a phase), failures are retried with a
-  backoff (wakes may be given up after ``give_up_after`` attempts), and the phase record is
+  backoff (wakes may be given up after ``give_up_after`` attempts; after ``command_attempts``
+  the shift is stuck and the Controller crashes with an error naming it), and the phase record is
   fsync'ed to the journal before the next phase's first command.
 * Recovery, at every start: replay the journal, roll the unfinished shift back or forward,
   ask every agent what it holds (``Describe``), the schedulers what they route to and the
@@ -32,7 +33,7 @@ error reply and the Controller keeps running.
         await .execute(plan, reason) -> ShiftTransaction
         await .describe() -> (agent views, scheduler views, trainer holds its pool)
     ControllerSettings (ConfigStruct): interval_s, command_timeout_s, retry_backoff_s,
-               give_up_after, recovery_attempts, release_kinds, planner (PlannerSettings)
+               give_up_after, command_attempts, recovery_attempts, release_kinds, planner
     open_journal(path, *, fsync=True) -> Journal of shift records
 
 ``models`` names the model each inference role runs (sent in Acquire; an agent that knows
@@ -89,6 +90,7 @@ from pivot.config import ConfigStruct, PositiveInt, Seconds
 from pivot.planning.planner import PlannerSettings
 from pivot.planning.plans import Decision, ShiftPlan, ShiftPolicy
 from pivot.planning.snapshot import ClusterSnapshot, QueueState, ReplicaState, TrainerPhase
+from pivot.retry import RetriesExhausted
 from pivot.shift import (
     AcquireDevice,
     AgentView,
@@ -116,6 +118,9 @@ class ControllerSettings(ConfigStruct, kw_only=True):
     command_timeout_s: Seconds = 30.0  # one shift command (an Acquire loads weights)
     retry_backoff_s: Seconds = 0.5  # before a phase's failed commands go again; doubles, to 16x
     give_up_after: PositiveInt = 3  # attempts before a wake is given up
+    # rounds of a phase's commands before the shift is stuck: the Controller crashes with an
+    # error naming them (its restart rolls the journaled shift forward or back)
+    command_attempts: PositiveInt = 20
     recovery_attempts: PositiveInt = 5  # per reconciliation stage
     # what a device drops on shift-down (persistent context always stays)
     release_kinds: tuple[Literal["transient", "weights", "stateful"], ...] = (
@@ -380,6 +385,11 @@ class Controller(Actor):
                 for command, ok in zip(pending, results, strict=True):
                     txn.confirm(command, ok, give_up=give_up)
                 if txn.pending():
+                    if attempt >= self.settings.command_attempts:
+                        raise RetriesExhausted(
+                            f"shift {txn.txn}: {', '.join(repr(c) for c in txn.pending())} "
+                            f"failed {attempt} times"
+                        )
                     await self.clock.sleep(self._backoff(attempt))
             record = txn.advance(self.clock.now())
             self.journal.append(record)

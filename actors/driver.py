@@ -222,7 +222,7 @@ class Driver(Actor):
 
     # -- completions from both stages
 
-    @handles
+    @handles(calls_peers=True)  # responses go on to the reward scheduler
     async def completed(self, msg: Completed) -> Ack:
         if msg.role == "rollout":
             await self._on_responses(msg.completions)

@@ -20,7 +20,15 @@ Shift commands from the Controller (``pivot.actors.shift_messages``), all idempo
 Why nothing is lost or run twice across a removal: Assign requests and aborts to one replica
 hold that replica's lock, so an Assign in flight when a removal starts lands before the
 abort, and an Assign of sequences the removal already took back is not sent; the agent
-answers ``Evacuate`` only after a report it has in flight was answered.
+answers ``Evacuate`` only after a report it has in flight was answered. A reported completion
+of a sequence not running on that replica any more is stale and ignored, never an error: the
+removal took it back, or the agent retried a report whose reply it did not get.
+
+``RemoveReplica`` and ``MigrateSequences`` wait on agents, so they run outside the request
+slots (``pivot.bus.actor``): however many removals wait on evacuations, the agents' reports
+still find a slot. A delivery downstream that fails is retried within ``delivery_retries``,
+then the scheduler crashes with one error naming it; a replica whose Assigns fail
+``assign_retries`` times in a row is cut from routing, with an error logged.
 """
 
 from __future__ import annotations
@@ -65,6 +73,7 @@ from pivot.bus import Actor, Bus, BusError, Ping, Pong, RemoteError, handles
 from pivot.cluster import Role
 from pivot.planning.queue import Owner, Sequence, SequenceLedger
 from pivot.planning.routing import RoleScheduler, Router
+from pivot.retry import RetryBudget
 
 
 class _CutRouter:
@@ -125,12 +134,20 @@ class Scheduler(Actor):
         ledger: SequenceLedger | None = None,
         request_timeout: float = 30.0,
         controller: str | None = None,
+        delivery_retries: RetryBudget | None = None,
+        assign_retries: RetryBudget | None = None,
     ) -> None:
         super().__init__(name, bus)
         self.role = role
         self.downstream = downstream
         self.request_timeout = request_timeout
         self.controller = controller
+        self.delivery_retries = delivery_retries or RetryBudget()
+        self._delivery_failures = 0  # consecutive
+        # consecutive failed Assigns per replica: when spent, the replica is cut from routing
+        self.assign_retries = assign_retries or RetryBudget()
+        self._assign_failures: defaultdict[str, int] = defaultdict(int)
+        self.stale_reports = 0  # with a sequence no longer running on the replica it names
         self._router = _CutRouter(router)
         self.core = RoleScheduler(role, self._router, ledger or SequenceLedger())
         self._rows: dict[str, ReplicaRunning] = {}  # QueryLoad's row per replica, as last built
@@ -224,7 +241,7 @@ class Scheduler(Actor):
         self._kick.set()
         return Ack(count=int(known))
 
-    @handles
+    @handles(calls_peers=True)  # waits on the agent's Evacuate
     async def remove_replica(self, msg: RemoveReplica) -> ReplicaRemoved:
         replica = msg.replica
         if replica not in self._agents:
@@ -292,7 +309,7 @@ class Scheduler(Actor):
             if tokens:
                 self._migrating[seq_id] = (now - began, now, tokens)
 
-    @handles
+    @handles(calls_peers=True)  # waits on the agents' Abort and Assign
     async def migrate(self, msg: MigrateSequences) -> Ack:
         by_source: dict[str, list] = defaultdict(list)
         for m in msg.migrations:
@@ -393,9 +410,22 @@ class Scheduler(Actor):
                 sequences=len(msg.completions),
             )
             return Ack(count=0)
-        self._complete(msg.replica, msg.completions)
+        # a completion of a sequence not running there is stale, not an error: the sequence was
+        # taken back (and runs elsewhere), or a retried report repeats one whose reply was lost
+        running = {s.id for s in self.core.running_on(msg.replica)}
+        fresh = [c for c in msg.completions if c.seq_id in running]
+        if len(fresh) < len(msg.completions):
+            self.stale_reports += 1
+            if self.stale_reports & (self.stale_reports - 1) == 0:  # at 1, 2, 4, 8... reports
+                self.log.warning(
+                    "stale completions ignored",
+                    replica=msg.replica,
+                    sequences=len(msg.completions) - len(fresh),
+                    reports=self.stale_reports,
+                )
+        self._complete(msg.replica, fresh)
         self._kick.set()
-        return Ack(count=len(msg.completions))
+        return Ack(count=len(fresh))
 
     def _complete(self, replica: str, completions: list[Completion]) -> None:
         for completion in completions:
@@ -456,6 +486,20 @@ class Scheduler(Actor):
                     # (an agent that answered, if only to refuse, is there)
                     self._suspect_replica(replica, repr(error))
                 self._kick.set()
+                failures = self._assign_failures[replica] = self._assign_failures[replica] + 1
+                if self.assign_retries.spent(failures) and replica in self._agents:
+                    # the sequences would go back to it at once: route around it until the
+                    # Controller restores or removes it
+                    self._cut.add(replica)
+                    self._update_cut()
+                    self.log.error(
+                        "assigns keep failing: replica cut from routing",
+                        replica=replica,
+                        failures=failures,
+                        error=repr(error),
+                    )
+            else:
+                self._assign_failures.pop(replica, None)
 
     # probes of a replica whose agent did not answer: then every 0.5, 1, 2, 4, 8, 8... s
     PROBE_BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0)
@@ -548,9 +592,16 @@ class Scheduler(Actor):
             )
         except BusError as exc:
             self._undelivered[:0] = batch
+            self._delivery_failures += 1
+            budget = self.delivery_retries
+            if budget.spent(self._delivery_failures):
+                what = f"{self.name}: delivering {len(batch)} completions to {self.downstream!r}"
+                raise budget.exhausted(what, exc) from exc
             self.log.warning("delivery failed, will retry", error=repr(exc), pending=len(batch))
-            await self.clock.sleep(0.5)
+            await self.clock.sleep(budget.backoff(self._delivery_failures))
             self._kick.set()
+            return
+        self._delivery_failures = 0
 
     def outstanding(self) -> int:
         return len(self._work)

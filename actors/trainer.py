@@ -229,7 +229,7 @@ class Trainer(Actor):
             holds_pool=self._holds_pool,
         )
 
-    @handles
+    @handles(calls_peers=True)  # waits on the Controller to give the pool back
     async def train(self, msg: TrainBatch | SimTrainBatch) -> Trained:
         if self._pending:
             raise TrainerBusy(f"step {msg.step} arrived while another step is in flight")

@@ -3,7 +3,8 @@
 Actors (``actor``)
     Actor(name, bus)                  base class; async start() / stop() / wait();
                                       hooks on_start(), on_stop(), run(); spawn(coro)
-    @handles / @handles(MsgA, ...)    marks a handler ``(self, msg[, sender]) -> reply``
+    @handles / @handles(MsgA, ..., calls_peers=False)   marks a handler ``(self, msg[, sender])
+                                      -> reply``; calls_peers: it waits on other actors
     await actor.request(to, msg, *, timeout=None, expect=None) -> reply
     await actor.publish(topic, *msgs)            lossy, batched into one frame
     actor.subscribe(topic, *, publishers=None, maxlen=8192) -> Subscription
@@ -53,8 +54,10 @@ Benchmark: ``pivot.bus.bench`` (run_bench, format_table). Test helpers: ``pivot.
 
 What to rely on, and what not:
 - Requests are answered or fail with a typed error; a handler error never kills the
-  actor. Up to ``Actor.concurrency`` (16) requests run at once per actor; a handler that
-  waits on a request back to its own actor needs a free slot.
+  actor. Up to ``Actor.concurrency`` (16) requests run at once per actor in its request
+  slots; a handler that waits on other actors is ``@handles(..., calls_peers=True)`` and
+  runs outside them (up to ``Actor.peer_concurrency``), so peers calling each other
+  cannot exhaust each other's slots.
 - Pub/sub is lossy (full buffers drop, late subscribers miss what came before
   ``wait_live``): metrics and events only, never anything that must arrive.
 - ``VirtualClock`` works with the local transport only (the nng one refuses it).

@@ -13,6 +13,17 @@ is dropped without a reply (the caller times out), counted and logged at counts 
 4, 8...; such a reply fails the request with ``ProtocolError``. Only ``run()`` or a
 task started with ``spawn()`` raising counts as a crash: the actor then stops and
 ``wait()`` raises.
+
+Request slots, and why actors that call each other cannot exhaust each other's: an actor
+handles at most ``concurrency`` requests at once in its transport's request slots, and a
+handler that holds a slot never waits on another actor. A handler that does wait on one
+(it sends a request, or waits on something a request of its own actor is waiting for) is
+declared ``@handles(..., calls_peers=True)``: its request gives its slot back as soon as it
+is dispatched and is answered later (``Later``), and at most ``peer_concurrency`` of those
+run at once (the rest wait their turn, holding no slot). So every slot is held by a handler
+that finishes on its own, a request from a peer always finds a slot in the end, and a cycle
+of actors waiting on each other (A's handler waits on B, whose handler waits on A) cannot
+run out of slots.
 """
 
 from __future__ import annotations
@@ -52,7 +63,7 @@ from pivot.bus.local import LocalTransport
 from pivot.bus.logs import dispatch_context, get_logger, worth_logging
 from pivot.bus.replay import ReplayWindow
 from pivot.bus.stats import BusStats
-from pivot.bus.transport import Directory, Publisher, Server, Subscriber, Transport
+from pivot.bus.transport import Directory, Later, Publisher, Server, Subscriber, Transport
 
 R = TypeVar("R")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -122,15 +133,17 @@ class _Handler(NamedTuple):
     function: Callable[..., Any]
     is_async: bool
     wants_sender: bool
+    calls_peers: bool
 
 
-def handles(*types: Any) -> Any:
+def handles(*types: Any, calls_peers: bool = False) -> Any:
     """Mark a method as the handler of one or more message types.
 
-    ``@handles(MsgA, MsgB)`` names them; bare ``@handles`` reads them from the type
-    hint of the message parameter (``msg: MsgA`` or ``msg: MsgA | MsgB``). The method
-    is ``(self, msg)`` or ``(self, msg, sender)``, sync or async; what it returns (a
-    message, or None) is the reply.
+    ``@handles(MsgA, MsgB)`` names them; bare ``@handles`` (or ``@handles()``) reads
+    them from the type hint of the message parameter (``msg: MsgA`` or ``msg: MsgA |
+    MsgB``). The method is ``(self, msg)`` or ``(self, msg, sender)``, sync or async;
+    what it returns (a message, or None) is the reply. ``calls_peers``: it waits on
+    other actors, so it runs outside the request slots (the module docstring says why).
     """
     if len(types) == 1 and inspect.isfunction(types[0]):
         function = types[0]
@@ -138,7 +151,10 @@ def handles(*types: Any) -> Any:
         return function
 
     def mark(function: F) -> F:
+        if calls_peers and not inspect.iscoroutinefunction(function):
+            raise TypeError(f"handler {function.__qualname__} calls peers but is not async")
         function.__bus_handles__ = types  # type: ignore[attr-defined]
+        function.__bus_calls_peers__ = calls_peers  # type: ignore[attr-defined]
         return function
 
     return mark
@@ -182,6 +198,7 @@ def _collect_handlers(cls: type, inherited: dict[type, _Handler]) -> dict[type, 
             function,
             inspect.iscoroutinefunction(function),
             len(inspect.signature(function).parameters) >= 3,
+            getattr(function, "__bus_calls_peers__", False),
         )
         for message_type in _handled_types(cls, function):
             handlers[message_type] = spec
@@ -287,7 +304,8 @@ class Actor:
     """Base class of every actor. Subclasses add ``@handles`` methods and may override
     ``on_start``, ``on_stop`` and ``run`` (a main loop started after ``on_start``)."""
 
-    concurrency: ClassVar[int] = 16  # requests handled at once
+    concurrency: ClassVar[int] = 16  # requests handled at once in the request slots
+    peer_concurrency: ClassVar[int] = 16  # handlers that call peers run at once, outside them
     request_timeout: ClassVar[float] = 10.0  # default for self.request
 
     _handlers: ClassVar[dict[type, _Handler]] = {}
@@ -328,6 +346,7 @@ class Actor:
         self._failure: BaseException | None = None
         self._done: asyncio.Future[None] | None = None
         self._stopping_task: asyncio.Task[None] | None = None
+        self._peer_turns: asyncio.Semaphore | None = None  # made on the actor's loop
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} {self._state}>"
@@ -573,7 +592,7 @@ class Actor:
         """Round trip to ``to`` through the bus's own ``Ping``."""
         await self.request(to, Ping(), timeout=timeout, expect=Pong)
 
-    async def _on_request_frame(self, frame: bytes) -> bytes | None:
+    async def _on_request_frame(self, frame: bytes) -> bytes | Later | None:
         codec, stats = self._codec, self.stats
         try:
             payload, seal = codec.unseal(frame)
@@ -600,8 +619,27 @@ class Actor:
             return codec.encode_error(
                 self.name, exc.cid, "bad_message", "FrameError", exc.text, seal
             )
+        handler = self._handlers.get(type(envelope.body))
+        if handler is not None and handler.calls_peers:
+            # answered later: this request's slot is free again at once
+            return self.spawn(self._answer_in_turn(envelope, handler, seal), name="answer")
+        return await self._answer(envelope, handler, seal)
+
+    async def _answer_in_turn(
+        self, envelope: Any, handler: _Handler, seal: Seal | None
+    ) -> bytes | None:
+        if self._peer_turns is None:
+            self._peer_turns = asyncio.Semaphore(self.peer_concurrency)
+        async with self._peer_turns:
+            return await self._answer(envelope, handler, seal)
+
+    async def _answer(
+        self, envelope: Any, handler: _Handler | None, seal: Seal | None
+    ) -> bytes | None:
+        """Run the handler of a decoded request; the reply frame (an error reply when it
+        raised, or when there is no handler), sealed with the request's seal."""
+        codec, stats = self._codec, self.stats
         message = envelope.body
-        handler = self._handlers.get(type(message))
         token = dispatch_context.set((self.name, type(message).__name__, envelope.cid))
         try:
             if handler is None:

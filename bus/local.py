@@ -6,7 +6,8 @@ scheduling goes through the running loop in FIFO order and timeouts are loop tim
 so under a ``VirtualClock`` a run is deterministic.
 
 Semantics copied from nng: a server handles at most ``concurrency`` requests at once
-(the rest wait in order); a request whose handler returns no reply, or whose server
+(the rest wait in order), and a handler that answers later (``Later``) gives its
+slot back at once; a request whose handler returns no reply, or whose server
 stops first, ends in ``RequestTimeout``; an unknown name is ``Unreachable``; a
 subscriber receives frames published after it follows a topic, delivered in
 publication order.
@@ -15,12 +16,13 @@ publication order.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections import deque
 from collections.abc import Sequence
 
 from pivot.bus.errors import AddressError, RequestTimeout, Unreachable
 from pivot.bus.stats import BusStats
-from pivot.bus.transport import FrameHandler, FrameSink
+from pivot.bus.transport import FrameHandler, FrameSink, Later
 
 
 class LocalTransport:
@@ -117,6 +119,9 @@ class _LocalServer:
                 frame, reply = self._queue.popleft()
                 # a server handles a request even if its client gave up, as nng does
                 answer = await self._handler(frame)
+                if isinstance(answer, asyncio.Future):
+                    answer.add_done_callback(functools.partial(self._answer_later, reply))
+                    continue
                 # after close nothing goes out, as over nng: the sender times out
                 if answer is not None and not reply.done() and not self._closed:
                     reply.set_result(answer)
@@ -124,6 +129,13 @@ class _LocalServer:
             task = asyncio.current_task()
             if task in self._workers:
                 self._workers.remove(task)  # type: ignore[arg-type]
+
+    def _answer_later(self, reply: asyncio.Future[bytes], later: Later) -> None:
+        if later.cancelled() or later.exception() is not None:
+            return  # no reply: the sender times out
+        answer = later.result()
+        if answer is not None and not reply.done() and not self._closed:
+            reply.set_result(answer)
 
     async def close(self) -> None:
         if self._closed:

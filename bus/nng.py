@@ -3,6 +3,8 @@ publications; ipc:// on one host, tcp:// across hosts, inproc:// in tests.
 
 - A server is one Rep0 socket with ``concurrency`` contexts, each served by one
   long-lived task: no task per request, and up to ``concurrency`` handlers run at once.
+  A handler that answers later (``Later``) keeps its context until it replies; a fresh
+  context takes its place in the slot meanwhile.
 - Requests to an actor go through one Req0 socket per destination and a pool of
   contexts (one per request in flight), reused; nng enforces the timeout, resends a
   request whose connection dropped, but not one that is slow to be answered (it would
@@ -35,6 +37,7 @@ from pivot.bus.transport import (
     Endpoint,
     FrameHandler,
     FrameSink,
+    Later,
     check_bind_address,
 )
 
@@ -350,19 +353,22 @@ class _NngServer:
         self._handler = handler
         self._reply_timeout_ms = reply_timeout_ms
         self._stats = stats
-        self._slots = [
-            _ContextSlot(sock.new_context(), _nngaio.new_slot(fast)) for _ in range(concurrency)
-        ]
+        self._fast = fast
+        # every context made, serving or holding a later reply: each is closed on close
+        self._slots = [self._new_slot() for _ in range(concurrency)]
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._serve(slot)) for slot in self._slots]
+        self._tasks = {loop.create_task(self._serve(slot)): None for slot in self._slots}
         self._closed = False
         self.on_close: Callable[[Any], None] | None = None
 
+    def _new_slot(self) -> _ContextSlot:
+        return _ContextSlot(self._sock.new_context(), _nngaio.new_slot(self._fast))
+
     async def _serve(self, slot: _ContextSlot) -> None:
-        ctx, aio, handler = slot.ctx, slot.aio, self._handler
+        handler = self._handler
         while True:
             try:
-                frame = await aio.recv_ctx(ctx)
+                frame = await slot.aio.recv_ctx(slot.ctx)
             except pynng.Closed:
                 return
             try:
@@ -372,17 +378,44 @@ class _NngServer:
                 continue
             if self._closed:
                 return  # the handler stopped its own actor: the socket is gone
-            # no reply: the next receive on this context discards the request, and its
-            # sender times out
-            if reply is not None:
-                try:
-                    await aio.send_ctx(ctx, reply, self._reply_timeout_ms)
-                except pynng.Closed:
-                    return
-                except pynng.Timeout:
-                    self._reply_timed_out()
-                except pynng.NNGException as exc:
-                    log.warning("reply not sent", address=self.address, error=str(exc))
+            if isinstance(reply, asyncio.Future):
+                # the reply goes out on this context when it is ready; serve on a fresh one
+                task = asyncio.get_running_loop().create_task(self._answer_later(slot, reply))
+                self._tasks[task] = None
+                task.add_done_callback(self._tasks.pop)
+                slot = self._new_slot()
+                self._slots.append(slot)
+                continue
+            if not await self._send(slot, reply):
+                return
+
+    async def _send(self, slot: _ContextSlot, reply: bytes | None) -> bool:
+        """Reply on ``slot``'s context, abandoning it after the reply timeout; False once the
+        socket is closed. No reply: the next receive on this context discards the request,
+        and its sender times out."""
+        if reply is not None:
+            try:
+                await slot.aio.send_ctx(slot.ctx, reply, self._reply_timeout_ms)
+            except pynng.Closed:
+                return False
+            except pynng.Timeout:
+                self._reply_timed_out()
+            except pynng.NNGException as exc:
+                log.warning("reply not sent", address=self.address, error=str(exc))
+        return True
+
+    async def _answer_later(self, slot: _ContextSlot, later: Later) -> None:
+        try:
+            try:
+                reply = await later
+            except Exception:
+                reply = None  # no reply: the sender times out
+            if not self._closed:
+                await self._send(slot, reply)
+        finally:
+            if not self._closed:  # (else close() closes every slot)
+                self._slots.remove(slot)
+                slot.close()
 
     def _reply_timed_out(self) -> None:
         stats = self._stats

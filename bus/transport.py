@@ -7,13 +7,17 @@ layer above it encodes, signs, decodes and dispatches. Two backends implement it
 
 - ``request`` returns the reply frame, or raises ``RequestTimeout`` (also when the
   server dropped the frame without answering) or ``Unreachable``;
-- a server's handler returns the reply frame, or ``None`` to drop the request;
+- a server's handler returns the reply frame, ``None`` to drop the request, or a
+  future of either (``Later``): the request then gives its slot back at once and its
+  reply goes out when the future is done (``pivot.bus.actor`` says which handlers
+  answer later and why);
 - publications are lossy: frames that find a full buffer are dropped, and a
   subscriber only receives what is published after its subscription is live.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -24,7 +28,10 @@ import msgspec
 from pivot.bus.errors import AddressError, InsecureBindError, Unreachable
 from pivot.bus.stats import BusStats
 
-FrameHandler = Callable[[bytes], Awaitable[bytes | None]]
+#: A reply that comes later, from a handler that waits on other actors (see the module
+#: docstring): its result is the reply frame, or None (no reply: the sender times out).
+Later = asyncio.Future[bytes | None]
+FrameHandler = Callable[[bytes], Awaitable[bytes | Later | None]]
 FrameSink = Callable[[bytes], None]
 
 

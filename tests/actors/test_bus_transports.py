@@ -49,11 +49,17 @@ class StopYourself(Message):
     pass
 
 
+class Forward(Message):
+    """Ask the other actor to bounce ``text`` back to this one."""
+
+    text: str
+
+
 class Unknown(Message):
     """Only the client's codec knows this one."""
 
 
-MESSAGES = (*TESTING_MESSAGES, Slow, Tick, StopYourself)
+MESSAGES = (*TESTING_MESSAGES, Slow, Tick, StopYourself, Forward)
 
 
 class Server(EchoActor):
@@ -80,6 +86,22 @@ class Server(EchoActor):
 
 class Client(Actor):
     pass
+
+
+class Peer(EchoActor):
+    """One request slot; ``Forward`` waits on the peer, whose ``Forward`` calls back here."""
+
+    concurrency = 1
+
+    def __init__(self, name: str, bus: Bus, peer: str) -> None:
+        super().__init__(name, bus)
+        self.peer = peer
+
+    @handles(calls_peers=True)
+    async def forward(self, msg: Forward, sender: str) -> Echoed:
+        if sender == self.peer:  # the bounce: back to the peer's own Echo handler
+            return await self.request(self.peer, Echo(text=msg.text), timeout=5, expect=Echoed)
+        return await self.request(self.peer, msg, timeout=5, expect=Echoed)
 
 
 MakeBus = Callable[..., Bus]
@@ -134,6 +156,23 @@ async def test_one_actor_serves_many_requests_at_once(make_bus: MakeBus) -> None
         )
         assert [r.text for r in replies] == ["slept"] * 8
         assert server.most_in_flight > 1  # they overlapped in the handler
+
+
+async def test_actors_that_call_each_other_do_not_exhaust_each_others_slots(
+    make_bus: MakeBus,
+) -> None:
+    # each handler below waits on the other actor, which calls back; with one slot each,
+    # holding the slot while waiting would leave the call back none (a timeout)
+    bus = make_bus()
+    one, two = Peer("server", bus, peer="other"), Peer("other", bus, peer="server")
+    client = Client("client", bus)
+    async with started(one, two, client):
+        replies = await asyncio.gather(
+            *(client.request("server", Forward(text=str(i)), timeout=5) for i in range(4))
+        )
+        assert [r.text for r in replies] == ["0", "1", "2", "3"]
+        assert sorted(one.seen) == ["0", "1", "2", "3"]  # served by the first actor's Echo
+        assert one.stats.requests_served == 8 and two.stats.requests_served == 4
 
 
 async def test_request_times_out_and_the_actor_keeps_serving(make_bus: MakeBus) -> None:

@@ -14,6 +14,7 @@ from pivot.actors.messages import (
     Abort,
     Aborted,
     Accepted,
+    Ack,
     Assign,
     Completed,
     Completion,
@@ -259,6 +260,75 @@ def test_abort_returns_partial_output_that_redispatch_continues():
 
 async def _no_registration() -> None:
     return None
+
+
+def test_an_agent_whose_reports_never_arrive_retries_within_its_budget_then_crashes():
+    from pivot.actors.messages import Assign
+    from pivot.retry import RetriesExhausted, RetryBudget
+
+    async def main(clock):
+        bus = Bus.local(rl_messages(), transport=LocalTransport(), clock=clock)
+        budget = RetryBudget(attempts=3, backoff_s=1.0, max_backoff_s=1.5)
+        agent = RoleAgent(
+            "agent",
+            bus,
+            engine=oracle_engine(),
+            role="rollout",
+            scheduler="nobody",  # nobody serves it: every report is Unreachable
+            stepping=Inline(),
+            report_retries=budget,
+        )
+        agent.on_start = _no_registration  # type: ignore[method-assign]
+        client = Actor("client", bus)
+        await agent.start()
+        await client.start()
+        work = Work(seq_id=7, prompt_ids=CODEC.encode("47+85="), sampling=SamplingParams(seed=2))
+        await client.request("agent", Assign(sequences=[work]))
+        started = clock.now()
+        with pytest.raises(RetriesExhausted, match="reporting 1 completions to 'nobody' failed 3"):
+            await agent.wait()
+        # two waits between the three attempts: 1.0 s, then 1.5 s (doubled, capped)
+        assert clock.now() - started == pytest.approx(2.5, abs=0.1)
+        await client.stop()
+
+    run_virtual(main)
+
+
+class _RefusingAgent(Actor):
+    @handles
+    def assign(self, msg: Assign) -> Ack:
+        raise RuntimeError("not serving")
+
+
+def test_a_replica_whose_assigns_keep_failing_is_cut_from_routing_after_its_budget():
+    from pivot.actors.messages import RegisterReplica
+    from pivot.retry import RetryBudget
+
+    async def main(clock):
+        bus = Bus.local(rl_messages(), transport=LocalTransport(), clock=clock)
+        scheduler = Scheduler(
+            "sched",
+            bus,
+            role=Role.ROLLOUT,
+            router=_router(),
+            downstream="driver",
+            assign_retries=RetryBudget(attempts=3),
+        )
+        agent, client = _RefusingAgent("agent", bus), Actor("client", bus)
+        for actor in (scheduler, agent, client):
+            await actor.start()
+        await client.request(
+            "sched", RegisterReplica(replica="r", agent="agent", role="rollout", max_running=4)
+        )
+        work = Work(seq_id=1, prompt_ids=CODEC.encode("1+1="), sampling=SamplingParams())
+        await client.request("sched", SubmitSequences(sequences=[work]))
+        await clock.sleep(1.0)
+        assert scheduler.cut == {"r"}  # and the sequence waits in the queue, not lost
+        assert len(scheduler.core.queue) == 1 and agent.stats.handler_errors == 3
+        for actor in (client, agent, scheduler):
+            await actor.stop()
+
+    run_virtual(main)
 
 
 def test_scheduler_rejects_a_replica_of_the_wrong_role():

@@ -122,6 +122,32 @@ def _busy_toy(folder):
     )
 
 
+def test_removals_waiting_on_evacuations_leave_the_reports_a_request_slot(monkeypatch, tmp_path):
+    # The scale deadlock (issue 14) at its smallest size: with one request slot the scheduler
+    # serves one RemoveReplica at a time, whose Evacuate waits on the agent's report in flight,
+    # which waited for that slot. At 1024 devices 16 removals at once filled the 16 slots.
+    from pivot.actors.scheduler import Scheduler
+
+    monkeypatch.setattr(Scheduler, "concurrency", 1)
+    workload = load_workload("configs/sim/qwen2.5-7b_qwen3-30b-a3b.toml")
+
+    async def main(clock):
+        sim = simulated_cluster(
+            clock, workload, _pivot(workload, 16, 8), SimulationSettings(steps=1), tmp_path / "j"
+        )
+        await sim.cluster.run()
+        return sim.cluster
+
+    cluster = run_virtual(main)
+    assembly = cluster.assembly
+    names = [*assembly.scheduler_names.values(), *assembly.agent_names.values(), "controller"]
+    actors = [assembly.actor(n) for n in names]
+    assert sum(a.stats.request_timeouts for a in actors) == 0
+    assert all(s.stale_reports == 0 for s in assembly.schedulers.values())
+    assert cluster.assembly.controller.shifts_done > 0
+    assert len(assembly.driver.reports) == 1
+
+
 def test_pivot_shifts_and_keeps_every_invariant_at_every_tick(tmp_path):
     workload = _busy_toy(tmp_path)
     settings = SimulationSettings(steps=2, check="tick")
