@@ -291,16 +291,23 @@ def _is_agent(pid: int) -> bool:
         return False
 
 
-def _resume_config(tmp_path: Path, steps: int = 6, every: int = 2) -> Path:
-    """The fixed run's job, six steps, a checkpoint every two."""
+def _short_job(tmp_path: Path, steps: int, more: str = "") -> Path:
+    """The module's job with ``steps`` steps (and ``more`` TOML), written to ``job.toml``."""
     config = tmp_path / "job.toml"
     config.write_text(
         CONFIG.format(policy="tiny-policy", genrm="tiny-genrm").replace(
             f"steps = {STEPS}", f"steps = {steps}"
         )
-        + f"[deployment]\nkind = 'disaggregated'\n[checkpoint]\nevery = {every}\n"
+        + more
     )
     return config
+
+
+def _resume_config(tmp_path: Path, steps: int = 6, every: int = 2) -> Path:
+    """The fixed run's job, six steps, a checkpoint every two."""
+    return _short_job(
+        tmp_path, steps, f"[deployment]\nkind = 'disaggregated'\n[checkpoint]\nevery = {every}\n"
+    )
 
 
 def _resume(config: Path | None, run_dir: Path) -> tuple[list[dict], dict]:
@@ -413,13 +420,7 @@ def test_killed_agents_come_back_free_and_the_run_gives_the_undisturbed_steps(fi
     import os
 
     steps = 4
-    config = tmp_path / "job.toml"
-    config.write_text(
-        CONFIG.format(policy="tiny-policy", genrm="tiny-genrm").replace(
-            f"steps = {STEPS}", f"steps = {steps}"
-        )
-    )
-    run_dir = tmp_path / "run"
+    config, run_dir = _short_job(tmp_path, steps), tmp_path / "run"
     done = subprocess.run(
         [*PIVOT, "run", str(config), "--run-dir", str(run_dir)],
         capture_output=True,
@@ -540,13 +541,7 @@ def test_fuzzed_frames_into_every_socket_kill_no_actor_and_change_no_reward(fixe
     import pynng
 
     steps = 3
-    config = tmp_path / "job.toml"
-    config.write_text(
-        CONFIG.format(policy="tiny-policy", genrm="tiny-genrm").replace(
-            f"steps = {STEPS}", f"steps = {steps}"
-        )
-    )
-    run_dir = tmp_path / "run"
+    config, run_dir = _short_job(tmp_path, steps), tmp_path / "run"
     proc = subprocess.Popen(
         [*PIVOT, "run", str(config), "--run-dir", str(run_dir)],
         stdout=subprocess.PIPE,
