@@ -44,7 +44,16 @@ from pivot.actors.shift_messages import (
 )
 from pivot.actors.sources import Source
 from pivot.actors.trainer import Trainer, TrainingBackend
-from pivot.bus import Actor, Bus, BusError, Clock, RestartPolicy, Supervisor
+from pivot.bus import (
+    Actor,
+    Bus,
+    BusError,
+    Clock,
+    RequestTimeout,
+    RestartPolicy,
+    Supervisor,
+    Unreachable,
+)
 from pivot.bus.supervisor import ActorFactory, SupervisorEvent
 from pivot.cluster import Role, RoleSpec
 from pivot.deployment import Deployment
@@ -457,9 +466,13 @@ class _AgentWatch:
 async def _controller_ready(driver: Driver) -> None:
     """Step 0 starts once the Controller has recovered and lent the idle trainer pool."""
     while True:
-        report = await driver.request(
-            CONTROLLER, QueryAllocation(), expect=AllocationReport, timeout=30.0
-        )
+        try:
+            report = await driver.request(
+                CONTROLLER, QueryAllocation(), expect=AllocationReport, timeout=30.0
+            )
+        except (RequestTimeout, Unreachable):  # restarting: its supervisor says if it cannot
+            await driver.clock.sleep(0.5)
+            continue
         lent = not any(m.role is Role.TRAINING for m in report.replicas)
         if report.recovered and report.txn is None and lent:
             return
@@ -467,8 +480,12 @@ async def _controller_ready(driver: Driver) -> None:
 
 
 async def _announce_batch(driver: Driver) -> None:
-    """Tell the Controller the trainer needs its pool back now, not at its next tick."""
-    await driver.request(CONTROLLER, TrainerPhaseChanged(phase="ready"), timeout=10.0)
+    """Tell the Controller the trainer needs its pool back now, not at its next tick (one
+    that is restarting reads the trainer's phase when it plans again)."""
+    try:
+        await driver.request(CONTROLLER, TrainerPhaseChanged(phase="ready"), timeout=10.0)
+    except (RequestTimeout, Unreachable) as exc:
+        driver.log.warning("could not tell the controller a batch is ready", error=repr(exc))
 
 
 __all__ = [

@@ -6,9 +6,11 @@ outside would land at a random one. ``PIVOT_FAULT`` holds comma-separated entrie
 * ``kill-agent:NAME:STEPS[:ROLE]``: the agent process NAME SIGKILLs itself (no cleanup, no
   FAILED line: as ``kill -9``) right after its STEPS-th engine step (counting only steps in
   ROLE, when given), in its first start only, so that its restart runs undisturbed.
-* ``kill-controller:RECORD``: the Controller's process SIGKILLs itself right before it
-  writes its RECORD-th shift journal record (1-based), in its first start only: a crash at
-  a chosen phase of a chosen shift.
+* ``kill-controller:RECORD[:RECORD...]``: the Controller's process SIGKILLs itself right
+  before it writes its RECORD-th shift journal record (1-based): the first RECORD for its
+  first start, the second for its first restart, and so on; a start past the list runs
+  undisturbed. A crash at a chosen phase of a chosen shift, then at one of the shift its
+  recovery finishes or of a later one.
 * ``crash-in-step:VERSION[:RANK]``: trainer rank RANK (0 by default) SIGKILLs itself in the
   step that makes policy version VERSION, between its backward and its update; in its
   group's first start only.
@@ -87,11 +89,10 @@ class _KilledBeforeRecord:
 
 def crashing_journal(journal: Any) -> Any:
     """``journal``, or a wrapper that kills the process as ``kill-controller`` plans."""
-    if not first_start():
-        return journal
+    start = int(os.environ.get(START_ENV, "0"))
     for args in planned("kill-controller"):
-        if len(args) == 1:
-            return _KilledBeforeRecord(journal, int(args[0]))
+        if start < len(args):
+            return _KilledBeforeRecord(journal, int(args[start]))
     return journal
 
 

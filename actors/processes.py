@@ -49,7 +49,8 @@ class ControllerSpec(msgspec.Struct, frozen=True, kw_only=True):
     journal: str
     models: dict[Role, str] | None = None
     routers: dict[Role, RouterSettings] | None = None
-    restart: RestartPolicy = RestartPolicy(max_restarts=3, window=60.0, backoff=0.5)
+    # a Controller restarts in about a second and loses nothing: a few a minute are fine
+    restart: RestartPolicy = RestartPolicy(max_restarts=8, window=60.0, backoff=0.5)
 
     def control(self) -> Control:
         import time

@@ -279,7 +279,11 @@ class Scheduler(Actor):
             self._trust(replica)
             self._update_cut()
         self.log.info(
-            "replica removed", replica=replica, requeued=len(requeued), completed=len(done)
+            "replica removed",
+            replica=replica,
+            requeued=len(requeued),
+            completed=len(done),
+            forced=msg.force,
         )
         self._kick.set()
         return ReplicaRemoved(

@@ -412,11 +412,11 @@ def test_a_crash_while_a_checkpoint_is_written_leaves_the_one_before(fixed_run, 
 
 def test_killed_agents_come_back_free_and_the_run_gives_the_undisturbed_steps(fixed_run, tmp_path):
     """kill -9 of agent-0 while it generates rollouts, of agent-1 while it judges them, and
-    of the Controller's process inside its first shift (the test kit's faults: each SIGKILLs
-    itself at a chosen point): the supervisor restarts
-    them, the Controller takes their replicas out at once (their sequences run again
-    elsewhere) and the planner wakes the restarted, free agents again. Every step is the
-    undisturbed run's, every sample scored once."""
+    five times of the Controller's process at chosen journal records (the test kit's faults:
+    each SIGKILLs itself at a chosen point): the supervisor restarts them, the dead agents'
+    replicas leave their schedulers (their sequences run again elsewhere), the restarted
+    Controller finishes what its journal left open, and the planner wakes the restarted,
+    free agents again. Every step is the undisturbed run's, every sample scored once."""
     import os
 
     steps = 4
@@ -428,7 +428,8 @@ def test_killed_agents_come_back_free_and_the_run_gives_the_undisturbed_steps(fi
         timeout=300,
         env={
             **os.environ,
-            "PIVOT_FAULT": "kill-agent:agent-0:12:rollout,kill-agent:agent-1:8:reward,kill-controller:40",
+            "PIVOT_FAULT": "kill-agent:agent-0:12:rollout,kill-agent:agent-1:8:reward,"
+            "kill-controller:40:2:3:4:5",
         },
     )
     assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
@@ -436,20 +437,24 @@ def test_killed_agents_come_back_free_and_the_run_gives_the_undisturbed_steps(fi
     events = [e for e in run.log if e.get("actor") in ("supervisor", "controller")]
     restarted = {e["child"] for e in events if e.get("event") == "restarting child"}
     assert restarted == {"agent-0", "agent-1", "controller"}
-    # the Controller's process died before its 40th journal record, inside a shift (after
-    # the agents' deaths: the Controller down then would take their replicas out when it
-    # recovers instead); the restarted one finished that shift from the journal
-    assert len([e for e in events if e.get("event") == "recovering shift"]) == 1
-    lost = [e for e in events if e.get("event") == "agent lost" and e["dead"]]
-    assert {e["agent"] for e in lost} == {"agent-0", "agent-1"}
-    joined = {e["agent"] for e in events if e.get("event") == "agent joined"}
-    assert joined == {"agent-0", "agent-1"}
-    taken = [e for e in events if e.get("event") == "replica of a dead agent taken out"]
-    assert {(e["device"], e["replica"].split("@")[0]) for e in taken} == {
-        (0, "rollout"),
-        (1, "reward"),
+    lost = {e["agent"] for e in events if e.get("event") == "agent lost" and e["dead"]}
+    assert lost <= {"agent-0", "agent-1"}  # (one may die while the Controller is down)
+    # the Controller's process died five times: before its 40th journal record, then each
+    # restart before its 2nd, 3rd, 4th and 5th; the restarts that found a shift open
+    # finished or rolled it back from the journal, whatever phase it was in
+    controller_restarts = [e for e in events if e.get("child") == "controller"]
+    assert len([e for e in controller_restarts if e["event"] == "restarting child"]) == 5
+    phases = {e["phase"] for e in events if e.get("event") == "recovering shift"}
+    assert len(phases) >= 2, phases
+    # each dead agent's replica left its scheduler forced (nobody to hand partials back),
+    # its sequences back on the queue: taken out at once by the Controller, or by its
+    # recovery when the agent died while the Controller was down
+    forced = {
+        e["replica"]
+        for e in run.log
+        if e.get("event") == "replica removed" and e.get("forced") and e["requeued"] > 0
     }
-    assert run.migrated > 0  # the dead replicas' sequences went back to the queue
+    assert {"rollout@0", "reward@1"} <= forced, forced
     assert [r["samples"] for r in run.reports] == [BATCH] * steps
     assert all(r["duplicates"] == 0 for r in run.reports)
     _same_steps(run.reports, fixed_run.reports[:steps], moved=True)
