@@ -594,5 +594,6 @@ def test_fuzzed_frames_into_every_socket_kill_no_actor_and_change_no_reward(fixe
     for counters in (run_dir / "bus").glob("*.json"):
         for stats in json.loads(counters.read_text())["actors"].values():
             undecodable += stats["decode_errors"]
+    print("fuzzed frames:", sent, "undecodable, counted by the actors:", undecodable)
     assert undecodable > 0
     _same_steps(run.reports, fixed_run.reports[:steps], moved=True)
