@@ -70,6 +70,7 @@ from pivot.actors.shift_messages import (
     RoleLoadReport,
 )
 from pivot.bus import Actor, Bus, BusError, Ping, Pong, RemoteError, handles
+from pivot.bus.logs import worth_logging
 from pivot.cluster import Role
 from pivot.planning.queue import Owner, Sequence, SequenceLedger
 from pivot.planning.routing import RoleScheduler, Router
@@ -420,7 +421,7 @@ class Scheduler(Actor):
         fresh = [c for c in msg.completions if c.seq_id in running]
         if len(fresh) < len(msg.completions):
             self.stale_reports += 1
-            if self.stale_reports & (self.stale_reports - 1) == 0:  # at 1, 2, 4, 8... reports
+            if worth_logging(self.stale_reports):
                 self.log.warning(
                     "stale completions ignored",
                     replica=msg.replica,
@@ -505,9 +506,9 @@ class Scheduler(Actor):
             else:
                 self._assign_failures.pop(replica, None)
 
-    # probes of a replica whose agent did not answer: then every 0.5, 1, 2, 4, 8, 8... s
-    PROBE_BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0)
-    PROBES = 30  # ~3.5 min; after that the replica waits for its agent to register again
+    # Pings to a replica whose agent did not answer, after 0.5, 1, 2, 4, 8, 8... s: ~3.5 min,
+    # then the replica waits for its agent to register again
+    PROBES = RetryBudget(attempts=30)
 
     def _suspect_replica(self, replica: str, cause: str) -> None:
         if replica in self._suspect:
@@ -533,10 +534,8 @@ class Scheduler(Actor):
                 )
             except BusError as exc:
                 self.log.warning("could not tell the controller", error=repr(exc))
-        for attempt in range(self.PROBES):
-            await self.clock.sleep(
-                self.PROBE_BACKOFF_S[min(attempt, len(self.PROBE_BACKOFF_S) - 1)]
-            )
+        for failures in range(1, self.PROBES.attempts + 1):
+            await self.clock.sleep(self.PROBES.backoff(failures))
             if self._agents.get(replica) != agent:
                 return  # removed or registered again meanwhile
             try:
@@ -551,7 +550,7 @@ class Scheduler(Actor):
         self.log.error(
             "replica unreachable; no routing to it until its agent registers again",
             replica=replica,
-            probes=self.PROBES,
+            probes=self.PROBES.attempts,
         )
 
     async def _assign(self, replica: str, works: list[Work], incarnation: int) -> None:
