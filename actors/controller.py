@@ -257,6 +257,9 @@ class Controller(Actor):
             return TrainerPhase.TRAINING if holds else TrainerPhase.READY
         return TrainerPhase.READY if self._trainer_ready else TrainerPhase.WAITING
 
+    def _allocation_changed(self, now: float) -> AllocationChanged:
+        return AllocationChanged(replicas=self._replica_moves(), at=now)
+
     def _replica_moves(self) -> list[Move]:
         return [
             Move("wake", r.id, r.role, r.devices)
@@ -439,7 +442,7 @@ class Controller(Actor):
                 kind=txn.plan.kind,
                 phase_s=phase_s,
             ),
-            AllocationChanged(replicas=self._replica_moves(), at=now),
+            self._allocation_changed(now),
         )
 
     async def _send(self, command: ShiftCommand) -> bool:
@@ -538,10 +541,7 @@ class Controller(Actor):
 
     async def _retire(self) -> None:
         if self._free_retired():
-            await self.publish(
-                SHIFT_TOPIC,
-                AllocationChanged(replicas=self._replica_moves(), at=self.clock.now()),
-            )
+            await self.publish(SHIFT_TOPIC, self._allocation_changed(self.clock.now()))
 
     def _free_retired(self) -> bool:
         """Free the devices of the replicas taken out in the allocation; True if any."""
@@ -594,10 +594,7 @@ class Controller(Actor):
             before = self.allocation
             self.allocation = await self._read_allocation(fix=True)
             if self.allocation.replicas != before.replicas:
-                await self.publish(
-                    SHIFT_TOPIC,
-                    AllocationChanged(replicas=self._replica_moves(), at=self.clock.now()),
-                )
+                await self.publish(SHIFT_TOPIC, self._allocation_changed(self.clock.now()))
 
     async def _back_from_silence(self, device: int) -> None:
         """An agent taken out because it did not answer (its process did not die) may answer
@@ -644,9 +641,7 @@ class Controller(Actor):
                 await self._drive(txn)
         self.allocation = await self._read_allocation(fix=True)
         self.recovered.set()
-        await self.publish(
-            SHIFT_TOPIC, AllocationChanged(replicas=self._replica_moves(), at=self.clock.now())
-        )
+        await self.publish(SHIFT_TOPIC, self._allocation_changed(self.clock.now()))
 
     async def _run_stage(self, commands: list[ShiftCommand], *, must: bool) -> bool:
         """Send ``commands`` until all succeed (at most ``recovery_attempts`` rounds unless

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 from typing import Any
 
 from pivot.actors.agent import RoleAgent, Threaded
+from pivot.actors.journal import Journal
 from pivot.bus.supervisor import START_ENV
 from pivot.cluster import Role
 from pivot.engines.protocol import InferenceEngine
@@ -39,9 +41,14 @@ def planned(kind: str) -> list[list[str]]:
     return [e.split(":")[1:] for e in entries if e.split(":")[0] == kind]
 
 
+def start_count() -> int:
+    """How often this child process was started before (0: its first start)."""
+    return int(os.environ.get(START_ENV, "0"))
+
+
 def first_start() -> bool:
     """This child process is its supervisor's first start of it (not a restart)."""
-    return os.environ.get(START_ENV, "0") == "0"
+    return start_count() == 0
 
 
 class KilledAfterSteps(Threaded):
@@ -70,29 +77,36 @@ def agent_stepping(name: str) -> KilledAfterSteps | None:
     return None
 
 
-class _KilledBeforeRecord:
-    """A journal whose process dies right before its ``record``-th append."""
+class JournalTrap:
+    """A journal that calls ``spring(n)`` once, right before its n-th append since it was
+    opened (``record``, 1-based): where a Controller dies mid-shift. Everything else is the
+    journal's own. The test kit's in-process crash raises there, a real one SIGKILLs."""
 
-    def __init__(self, inner: Any, record: int) -> None:
+    def __init__(self, inner: Journal, record: int, spring: Callable[[int], None]) -> None:
         self._inner = inner
-        self._left = record
+        self._record: int | None = record
+        self._spring = spring
 
     def append(self, record: Any) -> None:
-        self._left -= 1
-        if self._left <= 0:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if self._inner.appended + 1 == self._record:
+            self._record = None
+            self._spring(self._inner.appended + 1)
         self._inner.append(record)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
 
-def crashing_journal(journal: Any) -> Any:
-    """``journal``, or a wrapper that kills the process as ``kill-controller`` plans."""
-    start = int(os.environ.get(START_ENV, "0"))
+def _kill_self(_: int) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def crashing_journal(journal: Journal) -> Journal | JournalTrap:
+    """``journal``, or a trap that kills the process as ``kill-controller`` plans."""
+    start = start_count()
     for args in planned("kill-controller"):
         if start < len(args):
-            return _KilledBeforeRecord(journal, int(args[start]))
+            return JournalTrap(journal, int(args[start]), _kill_self)
     return journal
 
 

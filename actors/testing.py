@@ -42,6 +42,7 @@ from pivot.actors.assembly import (
     assemble,
 )
 from pivot.actors.driver import StepReport
+from pivot.actors.faults import JournalTrap
 from pivot.actors.journal import Journal
 from pivot.actors.sources import Source
 from pivot.bus import Bus, LocalTransport, RequestTimeout, RestartPolicy, Supervisor
@@ -149,24 +150,8 @@ class FaultyTransport(LocalTransport):
         return None
 
 
-class _CrashingJournal:
-    """The journal a Controller was given, raising before its n-th record is written: the
-    Controller dies mid-shift. Everything else is the journal's own."""
-
-    def __init__(self, inner: Journal, before: int) -> None:
-        self._inner = inner
-        self._before = before
-
-    def append(self, record: Any) -> None:
-        if self._inner.appended + 1 == self._before:
-            self._before = -1
-            raise InjectedCrash(
-                f"injected Controller crash before journal record {self._inner.appended + 1}"
-            )
-        self._inner.append(record)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
+def _crash_controller(record: int) -> None:
+    raise InjectedCrash(f"injected Controller crash before journal record {record}")
 
 
 class InvariantChecker:
@@ -381,7 +366,7 @@ class LocalCluster:
             first = not self.journals
             self.journals.append(made)
             if crash is not None and first:
-                return _CrashingJournal(made, crash)  # type: ignore[return-value]
+                return JournalTrap(made, crash, _crash_controller)  # type: ignore[return-value]
             return made
 
         def wrap(policy: ShiftPolicy) -> ShiftPolicy:
