@@ -16,6 +16,7 @@ import msgspec
 from pivot.bus import Message
 from pivot.engines.protocol import FinishReason, SamplingParams
 from pivot.engines.sim_engine import Placeholders
+from pivot.trajectory import Chunk
 
 PROTOCOL_VERSION = 1
 
@@ -42,7 +43,13 @@ class Work(msgspec.Struct, frozen=True, kw_only=True):
     sampling: SamplingParams
     generated_ids: TokenIds = []
     generated_logprobs: list[float] = []
+    # which policy version sampled which of ``generated_ids`` (run-length, in order)
+    generated_chunks: list[Chunk] = []
     policy_version: int = 0
+    # a routing hint: the replica that served this session's last turn holds its prefix
+    session: str = ""
+    # the actor its Completion goes to ("": the scheduler's downstream stage)
+    reply_to: str = ""
 
 
 class Completion(msgspec.Struct, frozen=True, kw_only=True):
@@ -52,6 +59,8 @@ class Completion(msgspec.Struct, frozen=True, kw_only=True):
     token_ids: TokenIds
     logprobs: list[float]
     finish_reason: FinishReason
+    # which policy version sampled which tokens (run-length; sums to len(token_ids))
+    chunks: list[Chunk] = []
     replica: str = ""
     # a migrated sequence: its re-prefill's seconds on the replica that finished it
     reprefill_s: float = 0.0
@@ -128,6 +137,7 @@ class Partial(msgspec.Struct, frozen=True, kw_only=True):
     seq_id: int
     token_ids: TokenIds
     logprobs: list[float]
+    chunks: list[Chunk] = []  # as in Completion
 
 
 class Aborted(RLMessage, kw_only=True):

@@ -82,8 +82,11 @@ def reward_result(value: Any, what: str = "the reward function") -> RewardResult
     return RewardResult(score=score, metrics=metrics)
 
 
-def load_function(spec: str, *, source: str, key: str, base: Path | None = None) -> Callable:
-    """The callable ``spec`` names; any failure is a ``ConfigError`` naming ``key``."""
+def load_function(
+    spec: str, *, source: str, key: str, base: Path | None = None, arguments: int = 1
+) -> Callable:
+    """The callable ``spec`` names, taking ``arguments`` positional arguments; any failure is
+    a ``ConfigError`` naming ``key``."""
     module_name, colon, attr = spec.rpartition(":")
     if not colon or not module_name or not attr:
         raise ConfigError(
@@ -122,10 +125,11 @@ def load_function(spec: str, *, source: str, key: str, base: Path | None = None)
     if not callable(fn):
         raise ConfigError(source, key, f"{attr!r} to be callable", type(fn).__name__)
     try:
-        inspect.signature(fn).bind(None)
+        inspect.signature(fn).bind(*([None] * arguments))
     except TypeError:
+        count = "one argument" if arguments == 1 else f"{arguments} arguments"
         raise ConfigError(
-            source, key, f"{attr!r} to take one argument", str(inspect.signature(fn))
+            source, key, f"{attr!r} to take {count}", str(inspect.signature(fn))
         ) from None
     except ValueError:
         pass  # builtins without a signature: trust them
