@@ -63,6 +63,7 @@ from pivot.planning.planner import Planner
 from pivot.planning.plans import ShiftPolicy
 from pivot.planning.routing import Router, RouterSettings
 from pivot.planning.staging import StagePolicy
+from pivot.rollout import single_turn
 
 DRIVER = "driver"
 CONTROLLER = "controller"
@@ -190,6 +191,10 @@ class DriverOptions:
     checkpoints: Checkpoints | None = None
     first_step: int = 0
     policy_version: int = 0
+    # the rollout function run on every task (pivot.rollout), and the gateway its
+    # ctx.openai_base_url serves (None: none)
+    rollout: Callable = single_turn
+    gateway: Any = None
 
 
 @dataclass(frozen=True)
@@ -330,6 +335,8 @@ def assemble(
         request_timeout=driver.request_timeout,
         train_timeout=driver.train_timeout,
         stall_timeout=driver.stall_timeout,
+        rollout=driver.rollout,
+        gateway=driver.gateway,
     )
     assembly = Assembly(deployment, supervisor, the_driver)
     # the hooks make requests as the driver, so they are bound once it exists

@@ -40,7 +40,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import msgspec
 
@@ -51,11 +53,16 @@ from pivot.actors.messages import (
     Completion,
     QueryStatus,
     SchedulerStatus,
-    SubmitSequences,
 )
+from pivot.actors.rollouts import Calls, DriverContext
 from pivot.actors.sources import Sample, Source
 from pivot.actors.trainer_messages import TrainBatch, TrainerRestart
 from pivot.bus import Actor, Bus, handles
+from pivot.rewards import RewardFailed
+from pivot.rollout import Task, rollout_result, single_turn
+from pivot.trajectory import Trajectory
+
+RolloutFunction = Callable[[Any, Task], Awaitable[Trajectory | list[Trajectory] | None]]
 
 
 class StepStalled(RuntimeError):
@@ -131,26 +138,67 @@ class StepReport(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", ta
     # deliveries of this step's responses or judgments after the first (ignored; a healthy
     # run has none: each sequence is owned by one replica at a time)
     duplicates: int = 0
+    rejected: int = 0  # rollouts that returned None: nothing of them trains
     # the trainer group died since the step before and came back so (the step was trained,
     # once, by the group that came back)
     trainer_restart: TrainerRestart | None = None
 
 
 class _Batch:
-    """One step's sequences from submission to training."""
+    """One step's rollouts from submission to training: what they generated, their samples."""
 
     def __init__(self, step: int, source: Source) -> None:
         self.step = step
         self.source = source
-        self.version = 0  # the policy version its sequences were submitted with
+        self.version = 0  # the policy version its rollouts started with
         self.samples: dict[int, Sample] = {}
-        self.responses = 0
+        self.tasks = 0
+        self.open_rollouts = 0  # rollout functions still running
+        self.rejected = 0  # rollouts that returned None
+        self.generations = 0  # generate calls completed
+        self.response_tokens = 0
+        self.judgment_tokens = 0
+        self.rollout_by: dict[str, int] = {}
+        self.reward_by: dict[str, int] = {}
+        self.ids: set[int] = set()  # every sequence id its calls used
         self.scored = 0
         self.duplicates = 0
         self.started = 0.0
         self.submitted = False
         self.last_response_at = 0.0
-        self.done = asyncio.Event()  # every sample scored
+        self.done = asyncio.Event()  # every rollout returned and every sample scored
+
+    def issued(self, seq_id: int) -> None:
+        self.ids.add(seq_id)
+
+    def completed(self, role: str, completion: Completion, now: float) -> None:
+        by = self.rollout_by if role == "rollout" else self.reward_by
+        by[completion.replica] = by.get(completion.replica, 0) + 1
+        if role == "rollout":
+            self.generations += 1
+            self.response_tokens += len(completion.token_ids)
+            self.last_response_at = now
+        else:
+            self.judgment_tokens += len(completion.token_ids)
+
+    def settle(self) -> None:
+        if self.submitted and not self.open_rollouts and self.scored == len(self.samples):
+            self.done.set()
+
+
+class _Account:
+    """A rollout's calls, counted on its batch."""
+
+    def __init__(self, driver: Driver, batch: _Batch) -> None:
+        self.driver = driver
+        self.batch = batch
+
+    def issued(self, seq_id: int) -> None:
+        self.batch.issued(seq_id)
+        self.driver._owner[seq_id] = self.batch
+
+    def completed(self, role: str, completion: Completion) -> None:
+        self.batch.completed(role, completion, self.driver.clock.now())
 
 
 class Driver(Actor):
@@ -178,6 +226,8 @@ class Driver(Actor):
         stall_timeout: float | None = None,
         on_batch_ready: Callable[[], Awaitable[None]] | None = None,
         before_first_step: Callable[[], Awaitable[None]] | None = None,
+        rollout: RolloutFunction = single_turn,
+        gateway: Any = None,
     ) -> None:
         super().__init__(name, bus)
         if source.judged and reward_scheduler is None:
@@ -185,6 +235,13 @@ class Driver(Actor):
         if staleness < 0:
             raise ValueError(f"staleness must be >= 0, got {staleness}")
         self.source = source
+        self.rollout = rollout
+        self.gateway = gateway  # pivot.actors.gateway.Gateway: ctx.openai_base_url
+        self.calls = Calls(
+            self,
+            {"rollout": rollout_scheduler, "reward": reward_scheduler},
+            request_timeout=request_timeout,
+        )
         self.steps = steps
         self.staleness = staleness
         self.rollout_scheduler = rollout_scheduler
@@ -222,77 +279,114 @@ class Driver(Actor):
 
     # -- completions from both stages
 
-    @handles(calls_peers=True)  # responses go on to the reward scheduler
-    async def completed(self, msg: Completed) -> Ack:
-        if msg.role == "rollout":
-            await self._on_responses(msg.completions)
-        elif msg.role == "reward":
-            self._on_judgments(msg.completions)
-        else:
+    @handles
+    def completed(self, msg: Completed) -> Ack:
+        if msg.role not in ("rollout", "reward"):
             raise ValueError(f"completions of unknown role {msg.role!r}")
+        for c in self.calls.deliver(msg.role, msg.completions):
+            batch = self._owner.get(c.seq_id)
+            if batch is not None:
+                batch.duplicates += 1  # the first delivery counts
+            else:
+                self.unknown_completions += 1
+                self.log.warning("completion of an unknown sequence", seq_id=c.seq_id)
         return Ack(count=len(msg.completions))
 
-    def _find(self, completion: Completion) -> tuple[_Batch, Sample] | None:
-        batch = self._owner.get(completion.seq_id)
-        if batch is None:
-            self.unknown_completions += 1
-            self.log.warning("completion of an unknown sequence", seq_id=completion.seq_id)
-            return None
-        return batch, batch.samples[completion.seq_id]
+    def _context(self, batch: _Batch, task: Task) -> DriverContext:
+        return DriverContext(
+            task,
+            self.calls,
+            codec=batch.source.codec,
+            policy_version=lambda: self.policy_version,
+            judge=functools.partial(self._judge_for_user, batch),
+            gateway=self.gateway,
+            account=_Account(self, batch),
+        )
 
-    async def _on_responses(self, completions: list[Completion]) -> None:
-        judge = []
-        now = self.clock.now()
-        for c in completions:
-            found = self._find(c)
-            if found is None:
-                continue
-            batch, sample = found
-            if sample.response is not None:
-                batch.duplicates += 1  # the first delivery counts
-                continue
-            sample.response = c
-            batch.responses += 1
-            batch.last_response_at = now
-            sample.correct = batch.source.check(sample)
-            if batch.source.judged:
-                judge.append(batch.source.judge(sample))
-            else:
-                self._score(batch, sample)
-        if judge:
-            await self.request(
-                self.reward_scheduler,
-                SubmitSequences(sequences=judge),
-                timeout=self.request_timeout,
+    async def _rollout(self, batch: _Batch, task: Task) -> None:
+        """Run the rollout function on ``task``; score what it returns."""
+        ctx = self._context(batch, task)
+        try:
+            trajectories = rollout_result(await self.rollout(ctx, task))
+            if not trajectories:
+                trajectories = ctx.gateway_trajectories()  # an agent that used only the gateway
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            # a user's rollout that raised: counted as the step's failure, never the job's
+            self.log.warning(
+                "rollout failed", seq_id=task.seq_id, error=f"{type(exc).__name__}: {exc}"
             )
-
-    def _on_judgments(self, completions: list[Completion]) -> None:
-        for c in completions:
-            found = self._find(c)
-            if found is None:
-                continue
-            batch, sample = found
-            if sample.judgment is not None:
-                batch.duplicates += 1
-                continue
-            sample.judgment = c
-            self._score(batch, sample)
-
-    def _score(self, batch: _Batch, sample: Sample) -> None:
-        pending = batch.source.score(sample)
-        if pending is None:
-            self._scored(batch)
+            trajectories = None
+        finally:
+            ctx.end_session()
+        if trajectories is None:
+            failed = Sample(seq_id=task.seq_id, group=task.group, task=task, failure="rollout")
+            batch.samples[task.seq_id] = failed
+            samples = []
         else:
-            self.spawn(self._await_score(batch, pending), name=f"score-{sample.seq_id}")
+            if not trajectories:
+                batch.rejected += 1
+            samples = [
+                Sample(
+                    seq_id=task.seq_id if i == 0 else self.calls.new_id(),
+                    group=task.group,
+                    task=task,
+                    trajectory=t,
+                )
+                for i, t in enumerate(trajectories)
+            ]
+            for sample in samples:
+                batch.samples[sample.seq_id] = sample
+                batch.issued(sample.seq_id)
+                self._owner[sample.seq_id] = batch
+        batch.open_rollouts -= 1
+        if trajectories is None:
+            batch.scored += 1
+            batch.source.done(batch.samples[task.seq_id])
+        await asyncio.gather(*(self._score(batch, sample) for sample in samples))
+        batch.settle()
 
-    async def _await_score(self, batch: _Batch, pending: Awaitable[None]) -> None:
-        await pending
-        self._scored(batch)
+    async def _reward(self, batch: _Batch, sample: Sample) -> None:
+        """Score ``sample`` by the job's reward: its GenRM through the reward scheduler, its
+        function, or its checker."""
+        source = batch.source
+        sample.correct = source.check(sample)
+        if source.judged:
+            work = source.judge(sample)
+            batch.issued(work.seq_id)
+            sample.judgment = await self.calls.call("reward", work)
+            batch.completed("reward", sample.judgment, self.clock.now())
+        pending = source.score(sample)
+        if pending is not None:
+            await pending
 
-    def _scored(self, batch: _Batch) -> None:
+    async def _score(self, batch: _Batch, sample: Sample) -> None:
+        trajectory = sample.trajectory
+        if trajectory is not None and trajectory.reward is not None:
+            sample.score = float(trajectory.reward)
+            sample.metrics = dict(trajectory.metrics)
+            sample.correct = batch.source.check(sample)
+        else:
+            await self._reward(batch, sample)
+            if trajectory is not None and trajectory.metrics:
+                sample.metrics = {**trajectory.metrics, **sample.metrics}
         batch.scored += 1
-        if batch.scored == len(batch.samples):
-            batch.done.set()
+        batch.source.done(sample)
+
+    async def _judge_for_user(self, batch: _Batch, task: Task, trajectory: Trajectory) -> float:
+        """``ctx.judge``: the job's reward of a trajectory the rollout has not returned yet."""
+        sample = Sample(
+            seq_id=self.calls.new_id(), group=task.group, task=task, trajectory=trajectory
+        )
+        self._owner[sample.seq_id] = batch
+        try:
+            await self._reward(batch, sample)
+        finally:
+            batch.source.done(sample, dump=False)
+        if sample.score is None:
+            raise RewardFailed(sample.failure or "exception", "the job's reward gave no score")
+        return sample.score
 
     def oldest_open_stage(self) -> str | None:
         """The stage the oldest batch not yet scored is in: what a time-multiplexed pool
@@ -301,7 +395,7 @@ class Driver(Actor):
         for batch in open_:
             if batch is None or not batch.submitted or batch.done.is_set():
                 continue
-            return "rollout" if batch.responses < len(batch.samples) else "reward"
+            return "rollout" if batch.open_rollouts else "reward"
         return None
 
     # -- the loop
@@ -406,13 +500,13 @@ class Driver(Actor):
             return
         seen = None
         while not batch.done.is_set():
-            progress = (batch.responses, batch.scored)
+            progress = (batch.generations, batch.open_rollouts, batch.scored)
             if progress == seen:
-                n = len(batch.samples)
-                stage = "rollout" if batch.responses < n else "reward"
+                stage = "rollout" if batch.open_rollouts else "reward"
                 raise StepStalled(
                     f"step {batch.step} made no progress for {self.stall_timeout:g} s: "
-                    f"{batch.responses}/{n} responses, {batch.scored}/{n} scored "
+                    f"{batch.tasks - batch.open_rollouts}/{batch.tasks} rollouts returned, "
+                    f"{batch.scored}/{len(batch.samples)} of their samples scored "
                     f"(waiting on the {stage} stage)"
                 )
             seen = progress
@@ -426,7 +520,7 @@ class Driver(Actor):
         return batch
 
     def _release(self, batch: _Batch) -> None:
-        for seq_id in batch.samples:
+        for seq_id in batch.ids:
             self._owner.pop(seq_id, None)
 
     async def _evaluate(self, step: int) -> EvalReport:
@@ -443,18 +537,15 @@ class Driver(Actor):
         )
 
     async def _submit(self, batch: _Batch) -> None:
+        """Start the rollout function on every task of the batch."""
         batch.version = self.policy_version
-        pairs = batch.source.batch(batch.step, batch.version)
-        batch.samples = {sample.seq_id: sample for sample, _ in pairs}
-        for seq_id in batch.samples:
-            self._owner[seq_id] = batch
+        tasks = batch.source.tasks(batch.step)
+        batch.tasks = batch.open_rollouts = len(tasks)
         batch.started = self.clock.now()
         batch.submitted = True
-        await self.request(
-            self.rollout_scheduler,
-            SubmitSequences(sequences=[work for _, work in pairs]),
-            timeout=self.request_timeout,
-        )
+        for task in tasks:
+            self.spawn(self._rollout(batch, task), name=f"rollout-{task.seq_id}")
+        batch.settle()  # a step without tasks is done
 
     def _report(
         self,
@@ -467,15 +558,7 @@ class Driver(Actor):
         samples = list(batch.samples.values())
         n = len(samples)
         seconds = max(end - batch.started, 1e-9)
-        response_tokens = sum(len(s.response.token_ids) for s in samples if s.response)
-        judgment_tokens = sum(len(s.judgment.token_ids) for s in samples if s.judgment)
-        rollout_by: dict[str, int] = {}
-        reward_by: dict[str, int] = {}
-        for s in samples:
-            if s.response:
-                rollout_by[s.response.replica] = rollout_by.get(s.response.replica, 0) + 1
-            if s.judgment:
-                reward_by[s.judgment.replica] = reward_by.get(s.judgment.replica, 0) + 1
+        response_tokens, judgment_tokens = batch.response_tokens, batch.judgment_tokens
         return StepReport(
             step=batch.step,
             policy_version=batch.version,
@@ -489,8 +572,9 @@ class Driver(Actor):
             train_s=end - scored_at,
             samples_per_s=n / seconds,
             tokens_per_s=(response_tokens + judgment_tokens) / seconds,
-            rollout_by_replica=dict(sorted(rollout_by.items())),
-            reward_by_replica=dict(sorted(reward_by.items())),
+            rollout_by_replica=dict(sorted(batch.rollout_by.items())),
+            reward_by_replica=dict(sorted(batch.reward_by.items())),
+            rejected=batch.rejected,
             train=train,
             eval=evaluation,
             duplicates=batch.duplicates,

@@ -1,7 +1,8 @@
-"""Where a Driver's sequences come from and how they are scored: a job's prompts with its
-reward (``PromptSource``: a data file or the shipped arithmetic task; a reward function, a
-GenRM, or the exact checker), or a simulated workload whose lengths are drawn from a model
-group's distributions (``WorkloadSource``). The Driver's loop is the same for both.
+"""Where a Driver's tasks come from and how their trajectories are scored: a job's prompts
+with its reward (``PromptSource``: a data file or the shipped arithmetic task; a reward
+function, a GenRM, or the exact checker), or a simulated workload whose lengths are drawn from
+a model group's distributions (``WorkloadSource``). The Driver runs the rollout function on
+every task of either (``pivot.rollout``).
 
 A sample whose reward fails (the function raised or timed out, the GenRM's judgment had no
 verdict, a value was not a number) gets ``failure`` set to its cause instead of a score: it
@@ -27,17 +28,20 @@ from pivot.data import Record
 from pivot.engines.protocol import SamplingParams
 from pivot.prompts import JudgePrompt
 from pivot.rewards import RewardFailed, RewardInput, RewardResult, reward_result
+from pivot.rollout import Task
+from pivot.trajectory import Trajectory
 
 log = structlog.get_logger("pivot.rewards")
 
 
 class Sample(msgspec.Struct, kw_only=True):
-    """One sequence of a step as the Driver tracks it through rollout, judging and scoring."""
+    """One trajectory of a step as the Driver tracks it from its rollout's return to its score
+    (a rollout that returned segments has one sample each, sharing the task's group)."""
 
     seq_id: int
     group: int
-    prompt_ids: TokenIds
-    response: Completion | None = None
+    task: Task
+    trajectory: Trajectory | None = None  # None: the rollout failed (then ``failure`` says so)
     judgment: Completion | None = None
     score: float | None = None
     correct: bool | None = None  # the checker's verdict, when the job has a checker
@@ -48,14 +52,25 @@ class Sample(msgspec.Struct, kw_only=True):
     def scored(self) -> bool:
         return self.score is not None or self.failure is not None
 
+    @property
+    def prompt_ids(self) -> TokenIds:
+        return self.trajectory.prompt_ids if self.trajectory is not None else self.task.prompt_ids
+
+    @property
+    def response_ids(self) -> TokenIds:
+        return self.trajectory.response_ids if self.trajectory is not None else []
+
 
 class Source(Protocol):
     judged: bool  # whether responses go to a GenRM
+    codec: Any  # the policy's TextCodec (None: a simulated workload's placeholder ids)
 
-    def batch(self, step: int, policy_version: int) -> list[tuple[Sample, Work]]: ...
+    def tasks(self, step: int) -> list[Task]:
+        """The step's prompts x samples, for the rollout function."""
+        ...
 
     def judge(self, sample: Sample) -> Work:
-        """The GenRM sequence judging ``sample.response`` (same id)."""
+        """The GenRM sequence judging ``sample``'s response (same id)."""
         ...
 
     def check(self, sample: Sample) -> bool | None:
@@ -64,6 +79,11 @@ class Source(Protocol):
 
     def score(self, sample: Sample) -> Awaitable[None] | None:
         """Set ``sample.score`` (or ``sample.failure``): at once, or by the awaitable returned."""
+        ...
+
+    def done(self, sample: Sample, dump: bool = True) -> None:
+        """The sample is scored (or failed): the last call about it. ``dump``: write it to
+        the run's samples (False: a rollout's own ``ctx.judge`` of a trajectory)."""
         ...
 
     def train_request(self, step: int, samples: list[Sample]) -> RLMessage | None:
@@ -145,10 +165,8 @@ class GenRMJudge:
 
 
 class _Open(msgspec.Struct):
-    """What a source remembers of a sequence until it is scored."""
+    """What a source remembers of a sample until it is scored."""
 
-    record: Record
-    step: int
     text: str | None = None
     judge_ids: TokenIds | None = None
 
@@ -192,7 +210,7 @@ class PromptSource:
         self.judged = bool(getattr(reward, "judged", False))
         self.id_base = id_base
         self.sink = sink
-        # per sequence until it is scored (a Driver with staleness has several batches out)
+        # per sample until it is scored (a Driver with staleness has several batches out)
         self._open: dict[int, _Open] = {}
 
     def prompt_ids(self, record: Record) -> list[int]:
@@ -200,7 +218,7 @@ class PromptSource:
             return self.codec.encode_chat(record.prompt)
         return self.codec.encode(record.prompt)
 
-    def batch(self, step: int, policy_version: int) -> list[tuple[Sample, Work]]:
+    def tasks(self, step: int) -> list[Task]:
         records = self.stream.batch(step, self.prompts_per_step)
         out = []
         for i, record in enumerate(records):
@@ -208,38 +226,51 @@ class PromptSource:
             group = step * len(records) + i
             for j in range(self.samples_per_prompt):
                 seq_id = self.id_base + group * self.samples_per_prompt + j
-                self._open[seq_id] = _Open(record=record, step=step)
-                sampling = msgspec.structs.replace(
-                    self.sampling, seed=self.seed * 1_000_003 + seq_id
-                )
                 out.append(
-                    (
-                        Sample(seq_id=seq_id, group=group, prompt_ids=prompt_ids),
-                        Work(
-                            seq_id=seq_id,
-                            prompt_ids=prompt_ids,
-                            sampling=sampling,
-                            policy_version=policy_version,
+                    Task(
+                        seq_id=seq_id,
+                        step=step,
+                        group=group,
+                        sample=j,
+                        prompt_ids=prompt_ids,
+                        sampling=msgspec.structs.replace(
+                            self.sampling, seed=self.seed * 1_000_003 + seq_id
                         ),
+                        prompt=record.prompt,
+                        reference=record.reference,
+                        metadata=record.metadata,
+                        index=record.index,
+                        evaluation=self.id_base != 0,
                     )
                 )
         return out
 
+    @staticmethod
+    def _record(task: Task) -> Record:
+        return Record(
+            index=task.index, prompt=task.prompt, reference=task.reference, metadata=task.metadata
+        )
+
+    def _state(self, sample: Sample) -> _Open:
+        open_ = self._open.get(sample.seq_id)
+        if open_ is None:
+            open_ = self._open[sample.seq_id] = _Open()
+        return open_
+
     def _text(self, sample: Sample) -> str:
-        open_ = self._open[sample.seq_id]
+        open_ = self._state(sample)
         if open_.text is None:
-            assert sample.response is not None
-            open_.text = self.codec.decode(sample.response.token_ids)
+            open_.text = self.codec.decode(sample.response_ids)
         return open_.text
 
     def _input(self, sample: Sample) -> RewardInput:
-        record = self._open[sample.seq_id].record
+        task = sample.task
         return RewardInput(
-            prompt=record.prompt,
+            prompt=task.prompt,
             response=self._text(sample),
-            response_ids=list(sample.response.token_ids),
-            reference=record.reference,
-            metadata=record.metadata,
+            response_ids=list(sample.response_ids),
+            reference=task.reference,
+            metadata=task.metadata,
         )
 
     def check(self, sample: Sample) -> bool | None:
@@ -255,10 +286,9 @@ class PromptSource:
 
     def judge(self, sample: Sample) -> Work:
         assert isinstance(self.reward, GenRMJudge)
-        open_ = self._open[sample.seq_id]
-        work = self.reward.work(sample.seq_id, open_.record, self._text(sample))
+        work = self.reward.work(sample.seq_id, self._record(sample.task), self._text(sample))
         if self.sink is not None:
-            open_.judge_ids = work.prompt_ids
+            self._state(sample).judge_ids = work.prompt_ids
         return work
 
     def score(self, sample: Sample) -> Awaitable[None] | None:
@@ -289,33 +319,34 @@ class PromptSource:
     def _scored(self, sample: Sample, result: RewardResult) -> None:
         sample.score = result.score
         sample.metrics = result.metrics
-        self._close(sample)
 
     def _failed(self, sample: Sample, failed: RewardFailed) -> None:
         sample.failure = failed.cause
         log.warning("reward failed", seq_id=sample.seq_id, cause=failed.cause, detail=failed.detail)
-        self._close(sample)
 
-    def _close(self, sample: Sample) -> None:
-        open_ = self._open.pop(sample.seq_id)  # the last call about this sequence
-        if self.sink is None:
+    def done(self, sample: Sample, dump: bool = True) -> None:
+        open_ = self._open.pop(sample.seq_id, None) or _Open()
+        if self.sink is None or not dump:
             return
         judgment = sample.judgment
+        task, trajectory = sample.task, sample.trajectory
+        masked = trajectory is not None and 0 in trajectory.loss_mask
         self.sink(
             {
-                "step": open_.step,
+                "step": task.step,
                 "seq_id": sample.seq_id,
                 "group": sample.group,
-                "index": open_.record.index,
-                "prompt": open_.record.prompt,
-                "reference": open_.record.reference,
-                "response": open_.text,
+                "index": task.index,
+                "prompt": task.prompt,
+                "reference": task.reference,
+                "response": open_.text if trajectory is None else self._text_of(trajectory),
                 "score": sample.score,
                 "failure": sample.failure,
                 "correct": sample.correct,
                 "metrics": sample.metrics,
                 "prompt_ids": list(sample.prompt_ids),
-                "response_ids": list(sample.response.token_ids) if sample.response else None,
+                "response_ids": list(trajectory.response_ids) if trajectory else None,
+                "loss_mask": list(trajectory.loss_mask) if masked else None,
                 "judge_prompt_ids": list(open_.judge_ids) if open_.judge_ids else None,
                 "judgment": self.reward.prompt.codec.decode(judgment.token_ids)
                 if judgment is not None
@@ -323,25 +354,47 @@ class PromptSource:
             }
         )
 
+    def _text_of(self, trajectory: Trajectory) -> str:
+        return self.codec.decode(trajectory.response_ids)
+
     def train_request(self, step: int, samples: list[Sample]) -> RLMessage | None:
         from pivot.training import RolloutSample
 
-        trainable = [s for s in samples if s.response is not None and s.score is not None]
+        trainable = [
+            s
+            for s in samples
+            if s.trajectory is not None and s.trajectory.response_ids and s.score is not None
+        ]
         if not trainable:
             return None
         return TrainBatch(
             step=step,
             samples=[
                 RolloutSample(
-                    prompt_ids=s.prompt_ids,
-                    response_ids=s.response.token_ids,
-                    logprobs=s.response.logprobs,
+                    prompt_ids=list(s.trajectory.prompt_ids),
+                    response_ids=list(s.trajectory.response_ids),
+                    logprobs=s.trajectory.logprobs,
                     reward=s.score,
                     group=s.group,
+                    **_masks(s.trajectory),
                 )
                 for s in trainable
             ],
         )
+
+
+def _masks(trajectory: Trajectory) -> dict:
+    """The trajectory's loss mask and versions where the trainer takes them (a sample of the
+    trainer that predates them trains every response token)."""
+    from pivot.training import RolloutSample
+
+    fields = RolloutSample.__struct_fields__
+    out = {}
+    if "loss_mask" in fields and 0 in trajectory.loss_mask:
+        out["loss_mask"] = trajectory.loss_mask
+    if "versions" in fields:
+        out["versions"] = trajectory.versions
+    return out
 
 
 def task_source(
@@ -380,6 +433,7 @@ class WorkloadSource:
     batch in flight can be judged (a Driver with staleness runs several)."""
 
     judged = True
+    codec = None
 
     def __init__(self, workload, *, seed: int) -> None:
         from pivot.workload import Workload
@@ -390,7 +444,7 @@ class WorkloadSource:
         # sequence -> (GenRM prompt tokens, judgment tokens), until it is judged
         self._judgments: dict[int, tuple[int, int]] = {}
 
-    def batch(self, step: int, policy_version: int) -> list[tuple[Sample, Work]]:
+    def tasks(self, step: int) -> list[Task]:
         from pivot.engines.sim_engine import sim_sampling
 
         lengths = self.sampler.step(step)
@@ -410,19 +464,15 @@ class WorkloadSource:
             )
         ):
             seq_id = first + i
-            prompt_ids = Placeholders(prompt)
             self._judgments[seq_id] = (genrm_tokens, judgment_tokens)
             out.append(
-                (
-                    Sample(
-                        seq_id=seq_id, group=step * prompts + i // per_prompt, prompt_ids=prompt_ids
-                    ),
-                    Work(
-                        seq_id=seq_id,
-                        prompt_ids=prompt_ids,
-                        sampling=sim_sampling(response, truncated=truncated),
-                        policy_version=policy_version,
-                    ),
+                Task(
+                    seq_id=seq_id,
+                    step=step,
+                    group=step * prompts + i // per_prompt,
+                    sample=i % per_prompt,
+                    prompt_ids=Placeholders(prompt),
+                    sampling=sim_sampling(response, truncated=truncated),
                 )
             )
         return out
@@ -443,6 +493,9 @@ class WorkloadSource:
     def score(self, sample: Sample) -> None:
         sample.score = 0.0  # a simulated judgment has no verdict; throughput is what is measured
 
+    def done(self, sample: Sample, dump: bool = True) -> None:
+        pass
+
     def train_request(self, step: int, samples: list[Sample]) -> RLMessage:
-        tokens = sum(len(s.prompt_ids) + len(s.response.token_ids) for s in samples if s.response)
+        tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
         return SimTrainBatch(step=step, sequences=len(samples), tokens=tokens)

@@ -1,5 +1,5 @@
-"""What a job reads of the user's before anything starts: its data files, its reward code, its
-GenRM template, each checked here so that a bad one is one line (exit 2) before any child
+"""What a job reads of the user's before anything starts: its data files, its rollout and
+reward code, its GenRM template, each checked here so that a bad one is one line (exit 2) before any child
 process starts. Paths in a config are relative to the config file's folder.
 
     read_inputs(job, config) -> Inputs        raises ConfigError
@@ -18,6 +18,7 @@ from pivot.data import Record, RecordStream, read_records
 from pivot.job import JobConfig
 from pivot.prompts import DEFAULT_TEMPLATE, Render, jinja_render, load_template
 from pivot.rewards import RewardInput, load_function
+from pivot.rollout import load_rollout, single_turn
 
 #: Sequence ids of evaluation samples start here, far above any training step's.
 EVAL_IDS = 1 << 40
@@ -35,6 +36,7 @@ class Inputs:
     verdict: Callable[[str], Any]
     judge_text: Render
     data_line: str  # what the job says about its data when it starts
+    rollout: Callable = single_turn  # rollout.function (pivot.rollout)
 
 
 def _path(base: Path, value: str) -> Path:
@@ -95,6 +97,9 @@ def read_inputs(job: JobConfig, config: str) -> Inputs:
         verdict=function("reward.verdict", r.verdict) if r.verdict else task.verdict,
         judge_text=judge_text,
         data_line=data_line,
+        rollout=load_rollout(job.rollout.function, source=config, base=base)
+        if job.rollout.function
+        else single_turn,
     )
 
 

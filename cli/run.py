@@ -310,6 +310,7 @@ class Job:
                     last_step=self.inputs.steps - 1,
                 ),
                 stall_timeout=job.control.stall_timeout_s,
+                rollout=self.inputs.rollout,
                 first_step=self.resume.state.next_step if self.resume else 0,
                 policy_version=self.resume.state.policy_version if self.resume else 0,
             ),

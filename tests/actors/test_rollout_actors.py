@@ -413,10 +413,11 @@ class EchoScheduler(Actor):
 
     @staticmethod
     def worked(work) -> Completion:  # noqa: ANN001 - a Work
+        ids = CODEC.encode(worked_response(CODEC.decode(work.prompt_ids)), bos=False)
         return Completion(
             seq_id=work.seq_id,
-            token_ids=CODEC.encode(worked_response(CODEC.decode(work.prompt_ids)), bos=False),
-            logprobs=[],
+            token_ids=ids,
+            logprobs=[0.0] * len(ids),
             finish_reason=FinishReason.STOP,
             replica="echo",
         )
@@ -465,9 +466,10 @@ def test_a_repeated_delivery_counts_once_and_is_reported():
 
     reports, unknown = run_virtual(main)
     assert [r.samples for r in reports] == [6, 6]
-    # repeats within the step are counted in its report; those after it ended are unknown
-    assert [r.duplicates for r in reports] == [2, 2]
-    assert unknown == 12
+    # repeats within the step are counted in its report, those after it ended are unknown:
+    # each of the 2 + 6 repeats per step once, one way or the other
+    assert all(r.duplicates >= 2 for r in reports)
+    assert sum(r.duplicates for r in reports) + unknown == 16
     assert [r.rollout_by_replica for r in reports] == [{"echo": 6}, {"echo": 6}]
     assert all(r.scores.accuracy == 1.0 for r in reports)  # the first delivery was scored
 
@@ -475,6 +477,7 @@ def test_a_repeated_delivery_counts_once_and_is_reported():
 def test_a_genrm_with_its_own_tokenizer_gets_the_response_as_text_in_its_own_ids():
     from pivot.actors.sources import Sample
     from pivot.engines.tokenizer import ALPHABET
+    from pivot.trajectory import Chunk, Generation, Trajectory
     from pivot.task import genrm_prompt
 
     judge = TextCodec.char(ALPHABET[::-1])  # same characters, other ids
@@ -486,20 +489,20 @@ def test_a_genrm_with_its_own_tokenizer_gets_the_response_as_text_in_its_own_ids
         sampling=SamplingParams(max_new_tokens=8),
         judge_codec=judge,
     )
-    [(sample, work)] = source.batch(0, 0)
+    [task] = source.tasks(0)
     [problem] = make_problems(0, 1)
     response = worked_response(problem.prompt)
-    sample = Sample(
-        seq_id=sample.seq_id,
-        group=sample.group,
-        prompt_ids=sample.prompt_ids,
-        response=Completion(
-            seq_id=sample.seq_id,
-            token_ids=CODEC.encode(response, bos=False),
-            logprobs=[],
+    ids = CODEC.encode(response, bos=False)
+    trajectory = Trajectory(prompt_ids=task.prompt_ids).add_generation(
+        Generation(
+            prompt_ids=task.prompt_ids,
+            token_ids=ids,
+            logprobs=[0.0] * len(ids),
+            chunks=[Chunk(len(ids), 0)],
             finish_reason=FinishReason.STOP,
-        ),
+        )
     )
+    sample = Sample(seq_id=task.seq_id, group=task.group, task=task, trajectory=trajectory)
     expected = genrm_prompt(problem.prompt, response, problem.reference)
     judged = source.judge(sample)
     assert judged.prompt_ids == judge.encode(expected) != CODEC.encode(expected)
@@ -719,7 +722,8 @@ def test_a_step_that_stops_progressing_is_an_error_naming_the_stage():
 
     message, stopped_at = run_virtual(main)
     assert message == (
-        "step 0 made no progress for 30 s: 1/4 responses, 1/4 scored (waiting on the rollout stage)"
+        "step 0 made no progress for 30 s: 1/4 rollouts returned, 1/1 of their samples scored "
+        "(waiting on the rollout stage)"
     )
     assert 30.0 <= stopped_at <= 61.0  # within two windows of the last progress
 

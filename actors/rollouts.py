@@ -1,0 +1,225 @@
+"""The Driver's side of rollout functions: the sequences their calls become, and the context
+they are handed.
+
+``Calls`` turns ``generate`` and ``judge`` calls into sequences of the rollout and reward
+schedulers and their ``Completed`` deliveries back into results. Calls made in one turn of the
+event loop travel in one ``SubmitSequences`` per scheduler, so a step's thousands of
+single-turn rollouts cost as few messages as one batch did. A sequence aborted by a shift is
+requeued and resumed by its scheduler (``pivot.actors.scheduler``); its call just returns later.
+
+``DriverContext`` is ``pivot.rollout.RolloutContext`` over ``Calls``: one per rollout, with its
+own session, its own sequence ids past the task's first, and seeds derived from the task's so
+that every call of a rollout is reproducible.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgspec
+
+from pivot.actors.messages import Completion, SubmitSequences, Work
+from pivot.bus import Actor
+from pivot.engines.protocol import SamplingParams
+from pivot.engines.sim_engine import Placeholders
+from pivot.rollout import Task
+from pivot.trajectory import Chunk, Generation, Trajectory
+
+# sequence ids past a task's first (later turns, extra segments, a rollout's own judgments):
+# above the training (0..) and evaluation (1 << 40) ranges
+EXTRA_IDS = 1 << 48
+_SEED_MASK = (1 << 62) - 1
+
+
+class Calls:
+    """Sequences submitted on behalf of awaiting coroutines, by role; each awaits its
+    ``Completion``."""
+
+    def __init__(
+        self, actor: Actor, schedulers: dict[str, str | None], *, request_timeout: float
+    ) -> None:
+        self.actor = actor
+        self.schedulers = schedulers
+        self.request_timeout = request_timeout
+        self._pending: dict[str, list[Work]] = {}
+        self._waiting: dict[tuple[str, int], tuple[Work, asyncio.Future]] = {}
+        self._ids = itertools.count(EXTRA_IDS)
+
+    def new_id(self) -> int:
+        return next(self._ids)
+
+    def waiting(self, role: str) -> int:
+        return sum(1 for r, _ in self._waiting if r == role)
+
+    async def call(self, role: str, work: Work) -> Completion:
+        scheduler = self.schedulers.get(role)
+        if scheduler is None:
+            raise RuntimeError(f"the job has no {role} scheduler")
+        key = (role, work.seq_id)
+        if key in self._waiting:
+            raise RuntimeError(f"sequence {work.seq_id} of {role} is already running")
+        future = asyncio.get_running_loop().create_future()
+        self._waiting[key] = (work, future)
+        pending = self._pending.setdefault(role, [])
+        pending.append(work)
+        if len(pending) == 1:
+            self.actor.spawn(self._submit(role, scheduler), name=f"submit-{role}")
+        try:
+            return await future
+        finally:
+            self._waiting.pop(key, None)
+
+    async def _submit(self, role: str, scheduler: str) -> None:
+        works = self._pending.pop(role, [])
+        if not works:
+            return
+        try:
+            await self.actor.request(
+                scheduler, SubmitSequences(sequences=works), timeout=self.request_timeout
+            )
+        except Exception as exc:
+            for work in works:
+                waiting = self._waiting.get((role, work.seq_id))
+                if waiting is not None and not waiting[1].done():
+                    waiting[1].set_exception(exc)
+
+    def deliver(self, role: str, completions: Sequence[Completion]) -> list[Completion]:
+        """Hand completions to their calls; returns those no call awaits (late or twice)."""
+        unclaimed = []
+        for c in completions:
+            waiting = self._waiting.pop((role, c.seq_id), None)
+            if waiting is None or waiting[1].done():
+                unclaimed.append(c)
+                continue
+            waiting[1].set_result(c)
+        return unclaimed
+
+
+def generation(work: Work, completion: Completion, codec: Any) -> Generation:
+    """A completed sequence as ``ctx.generate`` returns it."""
+    return Generation(
+        prompt_ids=work.prompt_ids,
+        token_ids=completion.token_ids,
+        logprobs=completion.logprobs,
+        chunks=completion.chunks or [Chunk(len(completion.token_ids), work.policy_version)],
+        finish_reason=completion.finish_reason,
+        text=codec.decode(completion.token_ids) if codec is not None else "",
+        replica=completion.replica,
+    )
+
+
+class DriverContext:
+    """One rollout's ``RolloutContext``. ``judge_trajectory`` is the job's reward of a
+    trajectory (the Driver's), ``policy_version`` reads the Driver's, ``gateway`` (optional)
+    serves ``openai_base_url``."""
+
+    def __init__(
+        self,
+        task: Task,
+        calls: Calls,
+        *,
+        codec: Any,
+        policy_version: Callable[[], int],
+        judge: Callable[[Task, Trajectory], Any],
+        gateway: Any = None,
+        account: Any = None,
+    ) -> None:
+        self.task = task
+        self._calls = calls
+        self._codec = codec
+        self._policy_version = policy_version
+        self._judge = judge
+        self._gateway = gateway
+        # .issued(seq_id) before a call, .completed(role, completion) after (the Driver's)
+        self._account = account
+        self._calls_made = 0
+        self.session = f"rollout-{task.seq_id}"
+        self._base_url: str | None = None
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._codec
+
+    @property
+    def policy_version(self) -> int:
+        return self._policy_version()
+
+    @property
+    def openai_base_url(self) -> str:
+        if self._gateway is None:
+            raise RuntimeError("the job runs no OpenAI gateway (rollout.gateway = false)")
+        if self._base_url is None:
+            self._base_url = self._gateway.open_session(self.session, self.generate)
+        return self._base_url
+
+    def gateway_trajectories(self) -> list[Trajectory]:
+        """What this rollout's agent did through the gateway, token-exact (its session ends)."""
+        if self._base_url is None:
+            return []
+        self._base_url = None
+        return self._gateway.close_session(self.session)
+
+    def _prompt_ids(self, prompt: Any) -> Any:
+        if isinstance(prompt, Placeholders):
+            return prompt
+        if isinstance(prompt, str):
+            return self._codec.encode(prompt)
+        prompt = list(prompt)
+        if prompt and isinstance(prompt[0], dict):
+            return self._codec.encode_chat(prompt)
+        return prompt
+
+    async def generate(
+        self,
+        prompt: Any,
+        *,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        seed: int | None = None,
+        session: str | None = None,
+    ) -> Generation:
+        n, self._calls_made = self._calls_made, self._calls_made + 1
+        base = self.task.sampling
+        if seed is None and base.seed is not None:
+            seed = base.seed if n == 0 else (base.seed * 1_000_003 + n) & _SEED_MASK
+        changes = {
+            k: v
+            for k, v in (
+                ("max_new_tokens", max_new_tokens),
+                ("temperature", temperature),
+                ("top_p", top_p),
+                ("seed", seed),
+                ("stop_token_ids", tuple(stop_token_ids) if stop_token_ids is not None else None),
+            )
+            if v is not None
+        }
+        sampling: SamplingParams = msgspec.structs.replace(base, **changes) if changes else base
+        prompt_ids = self._prompt_ids(prompt)
+        work = Work(
+            seq_id=self.task.seq_id if n == 0 else self._calls.new_id(),
+            prompt_ids=prompt_ids,
+            sampling=sampling,
+            policy_version=self._policy_version(),
+            session=self.session if session is None else session,
+        )
+        if self._account is not None:
+            self._account.issued(work.seq_id)
+        completion = await self._calls.call("rollout", work)
+        if self._account is not None:
+            self._account.completed("rollout", completion)
+        return generation(work, completion, self._codec)
+
+    async def judge(self, response: str | Trajectory) -> float:
+        if isinstance(response, str):
+            response = Trajectory(prompt_ids=self.task.prompt_ids).add_tokens(
+                self._codec.encode(response, bos=False)
+            )
+        return await self._judge(self.task, response)
+
+    def end_session(self, session: str | None = None) -> None:
+        return None  # the scheduler's affinity table ends sessions (when it keeps one)
