@@ -3,24 +3,27 @@ sent as, and the trajectories they add up to.
 
 An OpenAI client re-sends the whole history as text every turn. Re-tokenizing it would not
 give back the ids the engine read and wrote (a model may write a word in other pieces than the
-tokenizer would cut it, a chat template may trim or rewrite a turn), so a session never
-re-tokenizes a turn it generated. It keeps its trajectories as *segments*; a request
+tokenizer would cut it; a chat template may trim a turn, or strip its reasoning), so a session
+never re-tokenizes a turn it generated. It keeps its trajectories as *segments*; a request
 **extends** a segment when its history is that segment's history followed by the reply the
 gateway returned for it, exactly:
 
 - chat: the request's messages start with the segment's messages, then an assistant message
-  whose content is the returned reply, and the chat template's text of the new messages
-  starts with its text of that history (templates that only append do). The next prompt is
-  the segment's tokens followed by the template's text after the model's own turn (the
-  turn's closing, e.g. ``<|im_end|>\\n``, and the new messages with the generation prompt),
-  encoded on its own and appended masked: the recorded ids stand in for the assistant's turn.
+  whose content is the reply returned. The next prompt is the segment's tokens (the model's
+  turn as it was generated stands in for the assistant message), then the chat template's
+  text after that assistant message's content: the turn's closing (e.g. ``<|im_end|>\n``,
+  less the eos or stop token the model wrote itself) and the new messages with the generation
+  prompt, encoded on their own and appended masked. Where the content ends is found by
+  rendering a placeholder in its place, so what the template does to the content does not
+  matter; the template must only append (its text of the history with the reply and the new
+  messages starts with its text of the history).
 - text (``/v1/completions``): the new prompt starts with the previous prompt and the reply
   (or the generated text, stop token included); the rest is encoded and appended masked. A
   prompt of token ids extends a segment whose tokens are its prefix.
 
 **The rule for anything else** (an edited or dropped turn, a reply changed by the client, a
-template that rewrites an earlier assistant turn, a repeated request, a second request on a
-segment whose turn is still being generated): the request starts a **new segment** of the
+template that rewrites the history it already wrote, a repeated request, a second request on
+a segment whose turn is still being generated): the request starts a **new segment** of the
 same rollout, its prompt the chat template's encoding of the messages as sent. No earlier
 segment changes, so each is exactly what the engine saw; the rollout gets them all, in the
 order they began (usually there is one).
@@ -41,13 +44,17 @@ if TYPE_CHECKING:
 
 Messages = list[dict[str, Any]]
 
+# rendered in the place of a reply to find where the template puts its content
+PLACEHOLDER = "[[pivot: the assistant's reply]]"
+
 
 @dataclass(eq=False)
 class Segment:
     """One trajectory of a session and what its tokens hold: for a chat segment the messages
     its last prompt was rendered from (``messages``, their rendering ``prompt_text``), for a
     text segment its last prompt (``prompt_text``; None when it came as ids); then the ids the
-    last turn generated and the reply returned for them."""
+    last turn generated, the reply returned for them, and the text of the final stop token
+    the reply left out ("" when none)."""
 
     chat: bool
     trajectory: Trajectory
@@ -55,6 +62,7 @@ class Segment:
     prompt_text: str | None
     generated: list[int]
     reply: str
+    stop_text: str = ""
     busy: bool = False  # a turn extending it is being generated
 
 
@@ -89,7 +97,7 @@ class ChatSession:
         chat template cannot render them)."""
         full = self.codec.render_chat(messages)
         for seg in self._idle(chat=True):
-            added = self._chat_extension(seg, messages, full)
+            added = self._chat_extension(seg, messages)
             if added is not None:
                 return self._reserve(seg, added, messages=messages, prompt_text=full)
         return Turn(self.codec.encode_chat(messages), True, messages=messages, prompt_text=full)
@@ -117,21 +125,25 @@ class ChatSession:
         seg.busy = True
         return Turn([*seg.trajectory.token_ids, *added], seg.chat, segment=seg, added=added, **what)
 
-    def _chat_extension(self, seg: Segment, messages: Messages, full: str) -> list[int] | None:
+    def _chat_extension(self, seg: Segment, messages: Messages) -> list[int] | None:
         n = len(seg.messages)
         if len(messages) <= n or messages[:n] != seg.messages:
             return None
         if messages[n] != {"role": "assistant", "content": seg.reply}:
             return None
-        with_reply = self.codec.render_chat(messages[: n + 1], add_generation_prompt=False)
-        if not (with_reply.startswith(seg.prompt_text or "") and full.startswith(with_reply)):
+        probe = [*seg.messages, {"role": "assistant", "content": PLACEHOLDER}]
+        with_reply = self.codec.render_chat(probe, add_generation_prompt=False)
+        full = self.codec.render_chat([*probe, *messages[n + 1 :]])
+        held = seg.prompt_text or ""
+        if not (with_reply.startswith(held) and full.startswith(with_reply)):
             return None  # the template rewrites the history rather than appending to it
-        turn_text = with_reply[len(seg.prompt_text or "") :]
-        for head in (self.codec.decode(seg.generated, special=True), seg.reply):
-            if turn_text.startswith(head):
-                rest = turn_text[len(head) :] + full[len(with_reply) :]
-                return self.codec.encode(rest, bos=False)
-        return None  # the template writes the model's turn otherwise than it was generated
+        turn = with_reply[len(held) :]
+        if turn.count(PLACEHOLDER) != 1:
+            return None
+        closing = turn[turn.index(PLACEHOLDER) + len(PLACEHOLDER) :]
+        if seg.stop_text and closing.startswith(seg.stop_text):
+            closing = closing[len(seg.stop_text) :]  # the model wrote the template's eos
+        return self.codec.encode(closing + full[len(with_reply) :], bos=False)
 
     def _text_extension(self, seg: Segment, prompt: str) -> list[int] | None:
         if seg.prompt_text is None:
@@ -176,6 +188,7 @@ class ChatSession:
                 seg.trajectory.add_tokens(turn.added).add_generation(generation)
             seg.messages, seg.prompt_text = turn.messages, turn.prompt_text
             seg.generated, seg.reply = ids, reply
+            seg.stop_text = self.codec.decode(ids[-1:], special=True) if stopped else ""
             self.generations.append(generation)
             return reply
         finally:

@@ -4,6 +4,7 @@ so a trajectory that re-tokenized any text would be caught."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 
 import openai
@@ -40,6 +41,13 @@ class ScriptedPolicy:
         self.codec, self.replies = codec, list(replies)
         self.calls: list[tuple[list[int], dict]] = []
         self.generations: list[Generation] = []
+        self.hold: asyncio.Event | None = None  # when given, calls wait for it
+        self._called = asyncio.Condition()
+
+    async def called(self, n: int) -> None:
+        """Return once ``n`` calls have arrived."""
+        async with self._called:
+            await self._called.wait_for(lambda: len(self.calls) >= n)
 
     def spelt(self, text: str) -> list[int]:
         return [t for ch in text for t in self.codec.encode(ch, bos=False)]
@@ -47,6 +55,10 @@ class ScriptedPolicy:
     async def __call__(self, prompt: Sequence[int], **sampling) -> Generation:
         self.calls.append((list(prompt), sampling))
         reply = self.replies[len(self.calls) - 1]
+        async with self._called:
+            self._called.notify_all()
+        if self.hold is not None:
+            await self.hold.wait()
         if isinstance(reply, Exception):
             raise reply
         ids = [*self.spelt(reply), self.codec.eos_id]
@@ -172,6 +184,26 @@ async def test_a_stop_token_left_out_of_the_reply_stays_in_the_trajectory(gatewa
     assert codec.decode(t.token_ids, special=True).count("7\n<|im_end|>") == 1
 
 
+async def test_a_reply_the_template_rewrites_is_held_as_generated():
+    # Llama 3's template trims a turn's content: the model's own spaces stay in the tokens
+    llama = TextCodec(byte_level_bpe(default_corpus(), 512, style="llama3"))
+    policy = ScriptedPolicy(llama, [" Five. ", "Nine."])
+    async with Gateway(llama) as gateway:
+        api = client(gateway.open_session("s1", policy))
+        history = [{"role": "user", "content": "2+3?"}]
+        out = await api.chat.completions.create(model="tiny", messages=history)
+        history += [out.choices[0].message, {"role": "user", "content": "+4?"}]
+        await api.chat.completions.create(model="tiny", messages=history)
+        [t] = gateway.close_session("s1")
+    g1, g2 = (g.token_ids for g in policy.generations)
+    masked = t.response_ids[len(g1) : len(t.response_ids) - len(g2)]
+    assert t.response_ids == [*g1, *masked, *g2] and sum(t.loss_mask) == len(g1) + len(g2)
+    assert llama.decode(masked, special=True) == (
+        "<|start_header_id|>user<|end_header_id|>\n\n+4?<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )  # the closing <|eot_id|> is the model's own
+
+
 async def test_an_edited_history_starts_a_new_segment(gateway, codec):
     policy = ScriptedPolicy(codec, ["The answer is 5.", "Yes."])
     api = client(gateway.open_session("s1", policy))
@@ -186,6 +218,30 @@ async def test_an_edited_history_starts_a_new_segment(gateway, codec):
     a, b = gateway.close_session("s1")
     assert a.response_ids == policy.generations[0].token_ids  # untouched
     assert b.prompt_ids == codec.encode_chat(edited) and b.loss_mask == [1] * len(b.response_ids)
+
+
+async def test_two_turns_at_once_on_one_history_make_two_segments(gateway, codec):
+    policy = ScriptedPolicy(codec, ["5.", "9.", "6."])
+    api = client(gateway.open_session("s1", policy))
+    history = [{"role": "user", "content": "2+3?"}]
+    await api.chat.completions.create(model="tiny", messages=history)
+    history.append({"role": "assistant", "content": "5."})
+    branches = [[*history, {"role": "user", "content": q}] for q in ("+4?", "+1?")]
+    policy.hold = asyncio.Event()
+    calls = [
+        asyncio.create_task(api.chat.completions.create(model="tiny", messages=b)) for b in branches
+    ]
+    await policy.called(3)  # both being generated: the first to come holds the segment
+    policy.hold.set()
+    await asyncio.gather(*calls)
+    first, second = gateway.close_session("s1")
+    g1 = policy.generations[0].token_ids
+    assert first.response_ids[: len(g1)] == g1
+    later = [prompt for prompt, _ in policy.calls[1:]]
+    assert second.prompt_ids in later  # one branch as sent, re-tokenized
+    assert second.prompt_ids in [codec.encode_chat(b) for b in branches]
+    [extended] = [p for p in later if p != second.prompt_ids]  # the other went on the first
+    assert extended == first.token_ids[: len(extended)] and len(first.token_ids) > len(extended)
 
 
 async def test_completions_extend_a_text_prompt_and_stream(gateway, codec):
