@@ -52,6 +52,7 @@ log = structlog.get_logger("pivot.gateway")
 
 LOOPBACK = "127.0.0.1"
 DEFAULT_MODEL = "pivot-policy"  # what /v1/models lists; a request's own model name is echoed
+MAX_BODY = 64 << 20  # bytes of one request
 SESSION_ID = re.compile(r"[A-Za-z0-9._~-]+")  # unreserved URL characters: used as they are
 
 
@@ -96,7 +97,8 @@ class Gateway:
         self._clock = clock
         self._sessions: dict[str, _Session] = {}
         self._runner: web.AppRunner | None = None
-        self.app = web.Application(middlewares=[self._errors])
+        # a long agent's history is re-sent every turn: aiohttp's 1 MiB default is too small
+        self.app = web.Application(middlewares=[self._errors], client_max_size=MAX_BODY)
         prefix = "/s/{sid}/v1"
         self.app.router.add_post(f"{prefix}/chat/completions", self._chat)
         self.app.router.add_post(f"{prefix}/completions", self._completions)
@@ -207,6 +209,12 @@ class Gateway:
     async def _generate(
         self, session: _Session, turn: Turn, req: ChatRequest | CompletionRequest, kind: str
     ) -> Reply:
+        if turn.segment is None and session.tokens.segments:
+            log.info(
+                "gateway request does not extend the session's tokens: a new segment",
+                session=session.sid,
+                segments=len(session.tokens.segments) + 1,
+            )
         s = req.sampling
         session.requests += 1
         rid = f"{kind}-{session.sid}-{session.requests}"
