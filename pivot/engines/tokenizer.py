@@ -234,6 +234,7 @@ class TextCodec:
             )
         )
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """Text of ids, special tokens (bos, eos, pad, ...) left out."""
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: Sequence[int], *, special: bool = False) -> str:
+        """Text of ids, special tokens (bos, eos, pad, ...) left out unless ``special``
+        (then the text is what a chat template writes for them)."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=not special)
