@@ -276,6 +276,12 @@ class Job:
         source, evaluation = self._sources(
             (lambda row: dump.write(msgspec.json.encode(row) + b"\n")) if dump else None
         )
+        gateway = None
+        if job.rollout.gateway:
+            from pivot.actors.gateway import Gateway
+
+            gateway = Gateway(source.codec)
+            console.print(f"OpenAI gateway at {await gateway.start()}", style="dim")
         monitor = self.monitor = Monitor(
             MONITOR,
             self.bus,
@@ -311,6 +317,7 @@ class Job:
                 ),
                 stall_timeout=job.control.stall_timeout_s,
                 rollout=self.inputs.rollout,
+                gateway=gateway,
                 first_step=self.resume.state.next_step if self.resume else 0,
                 policy_version=self.resume.state.policy_version if self.resume else 0,
             ),
@@ -347,6 +354,8 @@ class Job:
                 dump.close()
             if isinstance(source.reward, FunctionReward):
                 source.reward.close()
+            if gateway is not None:
+                await gateway.close()
             shutil.rmtree(self.sockets, ignore_errors=True)
         return driver.reports, monitor
 
