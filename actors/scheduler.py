@@ -292,8 +292,9 @@ class Scheduler(Actor):
         )
 
     def _keep_partials(self, partials: list[Partial], running: set[int]) -> dict[int, int]:
-        """Store each aborted sequence's partial output in its Work: the next replica
-        re-prefills prompt + partial. Returns the generated token count per sequence."""
+        """Store each aborted sequence's partial output in its Work (tokens, logprobs and
+        the policy versions that sampled them): the next replica re-prefills prompt + partial.
+        Returns the generated token count per sequence."""
         generated: dict[int, int] = {}
         for partial in partials:
             if partial.seq_id not in running:
@@ -304,6 +305,7 @@ class Scheduler(Actor):
                 work,
                 generated_ids=copy_ids(partial.token_ids),
                 generated_logprobs=list(partial.logprobs),
+                generated_chunks=list(partial.chunks),
             )
             generated[partial.seq_id] = len(partial.token_ids)
         return generated
