@@ -444,7 +444,9 @@ class Driver(Actor):
                     staged = self.checkpoints.stage(batch.step)
                     request = msgspec.structs.replace(request, checkpoint=str(staged))
                 if isinstance(request, TrainBatch):
-                    request = msgspec.structs.replace(request, version=self.policy_version)
+                    request = msgspec.structs.replace(
+                        request, version=self.policy_version, max_staleness=self.staleness
+                    )
                 reply = await self.request(self.trainer, request, timeout=self.train_timeout)
                 restart = getattr(reply, "restart", None)
                 if restart is not None:
