@@ -16,7 +16,7 @@ import msgspec
 from pivot.bus import Message
 from pivot.engines.protocol import FinishReason, SamplingParams
 from pivot.engines.sim_engine import Placeholders
-from pivot.trajectory import Chunk
+from pivot.trajectory import Chunk, Generation, Trajectory
 
 PROTOCOL_VERSION = 1
 
@@ -161,3 +161,28 @@ class ReplicaLoad(RLMessage, kw_only=True):
     itl_s: float
     generated_tokens: int
     seq_tokens: dict[int, int] = {}
+
+
+# -- a process attached to the job <-> driver
+
+
+class GenerateRequest(RLMessage, kw_only=True):
+    """``ctx.generate`` from a process attached to the job (``pivot.cli.jobs.attach``): one
+    sequence through the job's rollout scheduler, answered once it completed (a shift in
+    between only delays the answer)."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    session: str = ""
+
+
+class GenerateReply(RLMessage, kw_only=True):
+    generation: Generation
+
+
+class SubmitTrajectories(RLMessage, kw_only=True):
+    """Scored trajectories for the job's training, from a process attached to it or a
+    library user: each inner list is one prompt group (advantages are normalised in it).
+    They join the step now rolling out (or the next one) and train with it."""
+
+    groups: list[list[Trajectory]]

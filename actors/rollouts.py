@@ -19,13 +19,10 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import msgspec
-
 from pivot.actors.messages import Completion, SubmitSequences, Work
 from pivot.bus import Actor
-from pivot.engines.protocol import SamplingParams
 from pivot.engines.sim_engine import Placeholders
-from pivot.rollout import Task
+from pivot.rollout import Task, sampling_with
 from pivot.trajectory import Chunk, Generation, Trajectory
 
 # sequence ids past a task's first (later turns, extra segments, a rollout's own judgments):
@@ -187,18 +184,14 @@ class DriverContext:
         base = self.task.sampling
         if seed is None and base.seed is not None:
             seed = base.seed if n == 0 else (base.seed * 1_000_003 + n) & _SEED_MASK
-        changes = {
-            k: v
-            for k, v in (
-                ("max_new_tokens", max_new_tokens),
-                ("temperature", temperature),
-                ("top_p", top_p),
-                ("seed", seed),
-                ("stop_token_ids", tuple(stop_token_ids) if stop_token_ids is not None else None),
-            )
-            if v is not None
-        }
-        sampling: SamplingParams = msgspec.structs.replace(base, **changes) if changes else base
+        sampling = sampling_with(
+            base,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            stop_token_ids=stop_token_ids,
+        )
         prompt_ids = self._prompt_ids(prompt)
         work = Work(
             seq_id=self.task.seq_id if n == 0 else self._calls.new_id(),

@@ -35,6 +35,10 @@ MESSAGES: tuple[type[RLMessage], ...] = (
     rl.Aborted,
     rl.Ack,
     rl.ReplicaLoad,
+    # a process attached to the job
+    rl.GenerateRequest,
+    rl.GenerateReply,
+    rl.SubmitTrajectories,
     # the Controller's shifts
     shift.CutRouting,
     shift.RestoreRouting,

@@ -97,6 +97,14 @@ class RolloutContext(Protocol):
         ...
 
 
+def sampling_with(base: SamplingParams, **changes: Any) -> SamplingParams:
+    """``base`` with the given parameters that are not None."""
+    given = {k: v for k, v in changes.items() if v is not None}
+    if "stop_token_ids" in given:
+        given["stop_token_ids"] = tuple(given["stop_token_ids"])
+    return msgspec.structs.replace(base, **given) if given else base
+
+
 class RolloutFailed(Exception):
     """A rollout function raised, or returned something that is not a rollout's result."""
 
