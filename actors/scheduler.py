@@ -102,7 +102,8 @@ class MigrationTiming(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Scheduler(Actor):
-    """The shared queue of ``role``; finished sequences go to ``downstream``."""
+    """The shared queue of ``role``; finished sequences go to their Work's ``reply_to``, or
+    to ``downstream`` when it has none."""
 
     def __init__(
         self,

@@ -162,9 +162,7 @@ def test_a_sessions_next_turn_lands_on_the_replica_of_its_last():
         turns = []
         # each turn after the first would go to the other replica by round robin's turn
         for seq_id in range(3):
-            await client.request(
-                "sched", SubmitSequences(sequences=[work(seq_id, session="chat")])
-            )
+            await client.request("sched", SubmitSequences(sequences=[work(seq_id, session="chat")]))
             await until(clock, lambda: seq_id in driver.replicas)  # noqa: B023 - awaited here
             turns.append(driver.replicas[seq_id])
         ended = await client.request("sched", EndSession(session="chat"), expect=Ack)
