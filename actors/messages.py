@@ -96,6 +96,18 @@ class SchedulerStatus(RLMessage, kw_only=True):
     queued: int
     running: int
     completed: int
+    # completions dropped: their ``reply_to`` did not answer within the delivery budget
+    undeliverable: int = 0
+    # dispatches of a session with a remembered replica: landed on it / elsewhere
+    session_hits: int = 0
+    session_misses: int = 0
+
+
+class EndSession(RLMessage, kw_only=True):
+    """A multi-turn session is over: the scheduler forgets which replica served it (Ack count:
+    1 when it knew one)."""
+
+    session: str
 
 
 # -- scheduler <-> agent

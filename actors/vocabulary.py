@@ -28,6 +28,7 @@ MESSAGES: tuple[type[RLMessage], ...] = (
     rl.Completed,
     rl.QueryStatus,
     rl.SchedulerStatus,
+    rl.EndSession,
     rl.RegisterReplica,
     rl.Assign,
     rl.Finished,
