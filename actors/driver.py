@@ -404,7 +404,7 @@ class Driver(Actor):
             )
             trajectories = None
         finally:
-            ctx.end_session()
+            ctx.finish()
         if trajectories is None:
             failed = Sample(seq_id=task.seq_id, group=task.group, task=task, failure="rollout")
             batch.samples[task.seq_id] = failed

@@ -15,12 +15,13 @@ that every call of a rollout is reproducible.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pivot.actors.messages import Completion, SubmitSequences, Work
-from pivot.bus import Actor
+from pivot.actors.messages import Completion, EndSession, SubmitSequences, Work
+from pivot.bus import Actor, BusError
 from pivot.engines.sim_engine import Placeholders
 from pivot.rollout import Task, sampling_with
 from pivot.trajectory import Chunk, Generation, Trajectory
@@ -83,6 +84,19 @@ class Calls:
                 if waiting is not None and not waiting[1].done():
                     waiting[1].set_exception(exc)
 
+    def end_session(self, session: str) -> None:
+        """Tell the rollout scheduler the session is over (best effort: a hint is all the
+        scheduler keeps of it, and it forgets the oldest by itself)."""
+        scheduler = self.schedulers.get("rollout")
+        if scheduler is not None:
+            self.actor.spawn(self._end(scheduler, session), name="end-session")
+
+    async def _end(self, scheduler: str, session: str) -> None:
+        with contextlib.suppress(BusError):
+            await self.actor.request(
+                scheduler, EndSession(session=session), timeout=self.request_timeout
+            )
+
     def deliver(self, role: str, completions: Sequence[Completion]) -> list[Completion]:
         """Hand completions to their calls; returns those no call awaits (late or twice)."""
         unclaimed = []
@@ -134,6 +148,7 @@ class DriverContext:
         self._account = account
         self._calls_made = 0
         self.session = f"rollout-{task.seq_id}"
+        self._sessions: dict[str, int] = {}  # calls per session its calls named, until ended
         self._base_url: str | None = None
 
     @property
@@ -202,6 +217,7 @@ class DriverContext:
         )
         if self._account is not None:
             self._account.issued(work.seq_id)
+        self._sessions[work.session] = self._sessions.get(work.session, 0) + 1
         completion = await self._calls.call("rollout", work)
         if self._account is not None:
             self._account.completed("rollout", completion)
@@ -215,4 +231,14 @@ class DriverContext:
         return await self._judge(self.task, response)
 
     def end_session(self, session: str | None = None) -> None:
-        return None  # the scheduler's affinity table ends sessions (when it keeps one)
+        session = self.session if session is None else session
+        if self._sessions.pop(session, 0):
+            self._calls.end_session(session)
+
+    def finish(self) -> None:
+        """The rollout returned: end the sessions that served more than one turn. (A
+        single-turn rollout's is left to the scheduler's own eviction: telling it would cost
+        a message per sequence for a hint nobody follows.)"""
+        for session, turns in list(self._sessions.items()):
+            if turns > 1:
+                self.end_session(session)
