@@ -6,6 +6,8 @@ schedulers and their ``Completed`` deliveries back into results. Calls made in o
 event loop travel in one ``SubmitSequences`` per scheduler, so a step's thousands of
 single-turn rollouts cost as few messages as one batch did. A sequence aborted by a shift is
 requeued and resumed by its scheduler (``pivot.actors.scheduler``); its call just returns later.
+Only the end of the run reaches a call: a scheduler that cannot be reached for a minute stops
+the job (the Driver crashes naming it), it does not raise into the rollout.
 
 ``DriverContext`` is ``pivot.rollout.RolloutContext`` over ``Calls``: one per rollout, with its
 own session, its own sequence ids past the task's first, and seeds derived from the task's so
@@ -21,8 +23,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pivot.actors.messages import Completion, EndSession, SubmitSequences, Work
-from pivot.bus import Actor, BusError
+from pivot.bus import Actor, BusError, RequestTimeout, Unreachable
 from pivot.engines.sim_engine import Placeholders
+from pivot.retry import RetryBudget
 from pivot.rollout import Task, sampling_with
 from pivot.trajectory import Chunk, Generation, Trajectory
 
@@ -30,6 +33,7 @@ from pivot.trajectory import Chunk, Generation, Trajectory
 # above the training (0..) and evaluation (1 << 40) ranges
 EXTRA_IDS = 1 << 48
 _SEED_MASK = (1 << 62) - 1
+SUBMITS = RetryBudget(attempts=8)  # 0.5 .. 8 s apart: a minute for a scheduler to come back
 
 
 class Calls:
@@ -71,18 +75,23 @@ class Calls:
             self._waiting.pop(key, None)
 
     async def _submit(self, role: str, scheduler: str) -> None:
+        """Hand the pending sequences to the scheduler, retried within ``SUBMITS``: a
+        scheduler that is slow or restarting is not the rollout's business. Spent, the
+        Driver crashes with one error naming the scheduler (the job stops)."""
         works = self._pending.pop(role, [])
-        if not works:
-            return
-        try:
-            await self.actor.request(
-                scheduler, SubmitSequences(sequences=works), timeout=self.request_timeout
-            )
-        except Exception as exc:
-            for work in works:
-                waiting = self._waiting.get((role, work.seq_id))
-                if waiting is not None and not waiting[1].done():
-                    waiting[1].set_exception(exc)
+        failures = 0
+        while works:
+            try:
+                await self.actor.request(
+                    scheduler, SubmitSequences(sequences=works), timeout=self.request_timeout
+                )
+                return
+            except (RequestTimeout, Unreachable) as exc:
+                failures += 1
+                if SUBMITS.spent(failures):
+                    what = f"submitting {len(works)} sequences to {scheduler!r}"
+                    raise SUBMITS.exhausted(what, exc) from None
+                await self.actor.clock.sleep(SUBMITS.backoff(failures))
 
     def end_session(self, session: str) -> None:
         """Tell the rollout scheduler the session is over (best effort: a hint is all the

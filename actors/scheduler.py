@@ -370,10 +370,18 @@ class Scheduler(Actor):
 
     @handles
     def submit(self, msg: SubmitSequences) -> Accepted:
-        duplicates = [w.seq_id for w in msg.sequences if w.seq_id in self._work]
-        if duplicates:
-            raise ValueError(f"sequences already submitted: {duplicates[:10]}")
+        # a resent submission (its first reply was lost) is taken once; another sequence
+        # under a known id is a caller's bug
+        clashes = [
+            w.seq_id
+            for w in msg.sequences
+            if w.seq_id in self._work and self._work[w.seq_id].prompt_ids != w.prompt_ids
+        ]
+        if clashes:
+            raise ValueError(f"other sequences already submitted under ids {clashes[:10]}")
         for work in msg.sequences:
+            if work.seq_id in self._work:
+                continue
             self._work[work.seq_id] = work
             self.core.submit(
                 Sequence(

@@ -24,7 +24,15 @@ from pivot.actors.scheduler import Scheduler
 from pivot.actors.shift_messages import RemoveReplica, ReplicaRemoved
 from pivot.actors.testing import ScriptedEngine
 from pivot.actors.vocabulary import rl_messages
-from pivot.bus import Actor, Bus, LocalTransport, configure_logging, handles, run_virtual
+from pivot.bus import (
+    Actor,
+    Bus,
+    LocalTransport,
+    RemoteError,
+    configure_logging,
+    handles,
+    run_virtual,
+)
 from pivot.bus.clock import Clock
 from pivot.cluster import Role
 from pivot.engines.protocol import SamplingParams
@@ -175,3 +183,33 @@ def test_a_sessions_next_turn_lands_on_the_replica_of_its_last():
     assert len(set(turns)) == 1
     assert (status.session_hits, status.session_misses) == (2, 0)
     assert ended == 1
+
+
+def test_a_resent_submission_runs_once_and_another_sequence_under_its_id_is_refused():
+    async def main(clock):
+        bus = Bus.local(rl_messages(), transport=LocalTransport(), clock=clock)
+        sched = scheduler(bus)
+        driver, client = Inbox("driver", bus), Actor("client", bus)
+        actors = [sched, driver, client, agent(bus, "agent-0")]
+        for actor in actors:
+            await actor.start()
+        # the first reply was lost: the Driver's Calls send the same sequences again
+        for _ in range(2):
+            await client.request("sched", SubmitSequences(sequences=[work(0), work(1)]))
+        other = Work(seq_id=1, prompt_ids=CODEC.encode("2+2="), sampling=SamplingParams())
+        try:
+            await client.request("sched", SubmitSequences(sequences=[other]))
+        except RemoteError as exc:
+            refused = str(exc)
+        else:
+            refused = ""
+        await until(clock, lambda: len(driver.replicas) == 2)
+        await clock.sleep(5.0)
+        status = await client.request("sched", QueryStatus(), expect=SchedulerStatus)
+        for actor in reversed(actors):
+            await actor.stop()
+        return status, refused
+
+    status, refused = run_virtual(main)
+    assert status.completed == 2
+    assert "ids [1]" in refused
