@@ -155,7 +155,8 @@ class DriverContext:
         self._gateway = gateway
         # .issued(seq_id) before a call, .completed(role, completion) after (the Driver's)
         self._account = account
-        self._calls_made = 0
+        # the sequence of each generate call, in call order (the test kit strikes a call by it)
+        self.seq_ids: list[int] = []
         self.session = f"rollout-{task.seq_id}"
         self._sessions: dict[str, int] = {}  # calls per session its calls named, until ended
         self._base_url: str | None = None
@@ -204,7 +205,7 @@ class DriverContext:
         seed: int | None = None,
         session: str | None = None,
     ) -> Generation:
-        n, self._calls_made = self._calls_made, self._calls_made + 1
+        n = len(self.seq_ids)
         base = self.task.sampling
         if seed is None and base.seed is not None:
             seed = base.seed if n == 0 else (base.seed * 1_000_003 + n) & _SEED_MASK
@@ -224,6 +225,7 @@ class DriverContext:
             policy_version=self._policy_version(),
             session=self.session if session is None else session,
         )
+        self.seq_ids.append(work.seq_id)
         if self._account is not None:
             self._account.issued(work.seq_id)
         self._sessions[work.session] = self._sessions.get(work.session, 0) + 1
