@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -265,16 +266,18 @@ class FakeJudge(_Scripted):
 
     def output(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> list[int]:
         """The GenRM's judgment of a judge prompt (its engines' script)."""
-        head = self.codec.decode(prompt_ids).partition("\n")[0]
-        response, task = self._asked[int(head.removeprefix("judge "))]
+        # the key the render wrote (a chat template may have written more around it)
+        key = re.search(r"judge (\d+)\n", self.codec.decode(prompt_ids))
+        assert key is not None, "a judge prompt the FakeJudge did not render"
+        response, task = self._asked[int(key.group(1))]
         try:
             value = self(response, task)
+            text = "no verdict" if value is None else f"score: {float(value)!r}"
         except Exception as exc:
             raise self._error(
                 f"FakeJudge's score failed on the response {_shown(response)}: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-        text = "no verdict" if value is None else f"score: {float(value)!r}"
         return self.codec.encode(text, bos=False)
 
     def engine(self) -> ScriptedEngine:

@@ -14,7 +14,8 @@ partial output re-prefilled, and the call returns later), so only the cancellati
 run reaches user code. ``ctx.judge`` scores through the job's reward (a GenRM's replicas move
 too). Named in the config as ``rollout.function = "package.module:name"`` or
 ``"file.py:name"``; the context's implementation is the Driver's
-(``pivot.actors.rollouts``); ``pivot.testing`` ships one over scripted fakes.
+(``pivot.actors.rollouts``); the test kit (``pivot.actors.testing``: ``FakeLLM``,
+``FakeJudge``, ``run_rollout``, ``FakeContext``) runs a rollout function over scripted fakes.
 """
 
 from __future__ import annotations
