@@ -117,10 +117,25 @@ def test_many_rollouts_through_several_shifts_keep_every_sequence_owned_once():
 
     results = run_virtual(main)
     expected = run_virtual(calculator(FakeContext(tasks[0], llm()), tasks[0]))
-    assert all(r.trajectories[0].response_ids == expected.response_ids for r in results)
+    assert all(r.trajectories == [expected] for r in results)
     assert sorted(s.task for r in results for s in r.struck) == [0, 2, 5]
     counts = results[0].sequences["rollout"]
     assert counts == {"submitted": 12, "done": 12, "queued": 0, "running": 0}
+
+
+async def test_a_script_keys_by_the_prompts_end_text_or_ids_or_is_a_function_of_the_seed():
+    task = _task()
+    keyed = FakeLLM({"17+25?": "short", PROMPT: "long", (9, 9): [5, 6]}, default="?")
+    ctx = FakeContext(task, keyed)
+    assert (await ctx.generate(task.prompt_ids)).text == "long"  # the longest key that fits
+    assert (await ctx.generate([*task.prompt_ids, 9, 9])).token_ids == [5, 6]
+    assert (await ctx.generate("anything")).text == "?"
+    seeded = FakeLLM(lambda prompt, sampling: f"seed {sampling.seed % 1000}")
+    ctx = FakeContext(task, seeded)
+    texts = [(await ctx.generate(task.prompt_ids)).text for _ in range(2)]
+    # the first call has the task's seed, the next one a seed derived from it, as in a job
+    assert texts[0] == f"seed {task.sampling.seed}" and texts[1] != texts[0]
+    assert len(ctx.calls) == 2
 
 
 def test_a_version_bump_mid_call_splits_its_chunks_and_later_calls_carry_it():
