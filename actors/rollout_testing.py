@@ -415,6 +415,9 @@ class _MemoryCalls:
     def new_id(self) -> int:
         return next(self._ids)
 
+    def end_session(self, session: str) -> None:
+        pass  # no scheduler holds a routing hint
+
     async def call(self, role: str, work: Work) -> Completion:
         n, self._calls = self._calls, self._calls + 1
         engine = self.llm.engine(self.version)

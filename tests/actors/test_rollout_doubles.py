@@ -136,6 +136,8 @@ async def test_a_script_keys_by_the_prompts_end_text_or_ids_or_is_a_function_of_
     # the first call has the task's seed, the next one a seed derived from it, as in a job
     assert texts[0] == f"seed {task.sampling.seed}" and texts[1] != texts[0]
     assert len(ctx.calls) == 2
+    ctx.end_session()  # a multi-turn rollout's, as in a job (nothing to release here)
+    ctx.finish()
 
 
 def test_a_version_bump_mid_call_splits_its_chunks_and_later_calls_carry_it():
