@@ -259,7 +259,7 @@ class RoleAgent(Actor):
                 "assign refused"
             )
         versions = [_Versions.of(work) for work in msg.sequences]  # refuses before any is added
-        await self._catch_up(max((w.policy_version for w in msg.sequences), default=0))
+        await self.catch_up(max((w.policy_version for w in msg.sequences), default=0))
         async with self._engine_lock:
             self.stepping.settle(self)
             for work, tally in zip(msg.sequences, versions, strict=True):
@@ -276,9 +276,10 @@ class RoleAgent(Actor):
         self._work.set()
         return Ack(count=len(msg.sequences))
 
-    async def _catch_up(self, version: int) -> None:
+    async def catch_up(self, version: int) -> None:
         """Read a newer policy from GPS before serving sequences of that version: a replica
-        that never shifts must still follow the trainer."""
+        that never shifts must still follow the trainer (an Assign of a newer version does
+        it; the test kit's version bumps call it directly)."""
         engine, loader = self.engine, self.weights.get(self.role)
         if engine is None or loader is None or engine.stats().weights_version >= version:
             return

@@ -595,11 +595,11 @@ class _Script:
 
     async def _publish(self, agent: RoleAgent, version: int) -> None:
         """The trainer published ``version``: later calls carry it, and the replica loads it
-        now, as an Assign of that version would make it (``RoleAgent._catch_up``)."""
+        now, as an Assign of that version would make it (``RoleAgent.catch_up``)."""
         self.policy.version = max(self.policy.version, version)
         driver = self.driver()
         driver.policy_version = max(driver.policy_version, version)
-        await agent._catch_up(version)
+        await agent.catch_up(version)
 
     def unstruck(self) -> ScriptError | None:
         if not self.pending:
