@@ -9,7 +9,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.collections import EventCollection, PolyCollection  # noqa: E402
 
-from pivot.cli.plot import allocation_steps, figure, plot_run, trailing_mean  # noqa: E402
+from pivot.cli.plot import allocation_steps, figure, trailing_mean  # noqa: E402
 from pivot.timeline import RoleSample, ShiftMark, TrainSpan  # noqa: E402
 
 
@@ -52,12 +52,6 @@ def test_120_shifts_draw_a_lane_strip_with_a_legend_and_no_per_shift_labels():
         assert "trailing mean over" in fig.axes[0].get_title(loc="left")
     finally:
         plt.close(fig)
-
-
-def test_plot_run_writes_a_png(tmp_path):
-    samples, marks, trains = _run(shifts=5)
-    out = plot_run(samples, marks, trains, tmp_path / "throughput.png", title="t")
-    assert out.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_a_fixed_pool_joins_every_allocation_and_the_initial_one_comes_first():
