@@ -663,8 +663,8 @@ def compare(
     for kind in kinds:
         split = table4_split(kind, gpus, workload.replica_sizes())
         table4 = simulate(workload, split, settings, label="table4", journal_dir=journal_dir)
+        done(table4)  # before the line: a run the line announces is one Ctrl-C keeps
         say(f"{kind.value} {split.label()} (table 4): {table4.samples_per_s:.3f} samples/s")
-        done(table4)
         runs = BaselineRuns(table4=table4)
         if sweep and kind is not DeploymentKind.COLOCATED:
             best, tried = best_static(
@@ -683,10 +683,10 @@ def compare(
                 runs.sweep = simulate(
                     workload, best, settings, label="sweep", journal_dir=journal_dir
                 )
+                done(runs.sweep)
                 say(
                     f"{kind.value} {best.label()} (sweep): {runs.sweep.samples_per_s:.3f} samples/s"
                 )
-                done(runs.sweep)
         baselines[kind.value] = runs
     pivot_runs = baselines.pop(DeploymentKind.PIVOT.value, None)
     return Comparison(

@@ -124,7 +124,10 @@ def draw_lanes(
     others = [m.t for m in shifts if m.kind not in SHIFT_COLOURS]
     if others:
         ax.eventplot(others, lineoffsets=top * 1.08, linelengths=top * 0.12, colors="black")
+    from matplotlib.ticker import MaxNLocator
+
     ax.set_ylim(0, top * 1.16)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # devices come whole
     ax.set_ylabel("devices")
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
 

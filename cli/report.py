@@ -171,6 +171,12 @@ def _read_pivot_run(run_dir: Path, records: list[dict[str, Any]], config: Path) 
             (run.shifts if isinstance(record, ShiftMark) else run.samples).append(record)
     run.initial, run.fixed = _config_allocation(config)
     events = _read_events(run_dir)
+    maps = [e for e in events if e.get("type") == "devices" and isinstance(e.get("roles"), dict)]
+    if maps:  # the job's own first device map beats one worked out from its config
+        counts: dict[str, int] = {}
+        for role in maps[0]["roles"].values():
+            counts[role] = counts.get(role, 0) + 1
+        run.initial = counts
     step_ends = {e["step"]: e["t"] for e in events if e.get("type") == "step" and "step" in e}
     if step_ends:
         origin_note = "training intervals placed by the events' step times"

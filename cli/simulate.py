@@ -168,7 +168,8 @@ def main(args: argparse.Namespace) -> int:
             partial["runs"] = [r.summary() for r in finished]
             _write_run_dir(run_dir, finished, name, partial, resolved, plot=not args.no_plot)
             print(
-                f"interrupted after {len(finished)} runs; what ran is in {run_dir}", file=sys.stderr
+                f"interrupted: {len(finished)} runs finished; what ran is in {run_dir}",
+                file=sys.stderr,
             )
         raise
     report["run_dir"] = str(run_dir)

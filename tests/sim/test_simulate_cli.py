@@ -153,4 +153,4 @@ def test_ctrl_c_leaves_the_runs_done_so_far_with_their_plot_and_report(
     assert (run_dir / f"plot-{name}.png").read_bytes()[:4] == b"\x89PNG"
     html = (run_dir / "report.html").read_text()
     assert _steps_of(html, name) == ["0"]
-    assert "interrupted after 1 runs" in capsys.readouterr().err
+    assert "interrupted: 1 runs finished" in capsys.readouterr().err

@@ -117,3 +117,24 @@ def test_a_bad_run_dir_is_one_line_and_exit_2(tmp_path, capsys, case):
     assert main(["report", str(target)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"pivot report: {target}")
+
+
+def test_events_place_training_and_give_the_first_allocation(run_dir, capsys):
+    from pivot.cli.report import read_run_dir
+    from pivot.events import EVENTS_FILE, DeviceMap, StepDone
+
+    events = [DeviceMap(t=0.0, roles={0: "rollout", 1: "rollout", 2: "reward", 3: "training"})]
+    events += [StepDone(t=3.0 + 2 * k, step=k, report={}) for k in range(4)]
+    (run_dir / EVENTS_FILE).write_bytes(b"\n".join(msgspec.json.encode(e) for e in events))
+    [run], _, kind = read_run_dir(run_dir)
+    assert kind == "run"
+    assert run.initial == {"rollout": 2, "reward": 1, "training": 1}
+    # each step trained for its last train_s (0.5 s) before its event
+    assert [(s.start, s.end) for s in run.trains] == [
+        (2.5, 3.0),
+        (4.5, 5.0),
+        (6.5, 7.0),
+        (8.5, 9.0),
+    ]
+    assert main(["report", str(run_dir)]) == 0
+    assert "placed by the events&#39; step times" in (run_dir / "report.html").read_text()
