@@ -57,7 +57,10 @@ def write_report(run_dir: str | Path, output: str | Path | None = None) -> Path:
     runs, config, kind = read_run_dir(run_dir)
     html = render(run_dir, runs, config, kind)
     out = Path(output) if output is not None else run_dir / REPORT_NAME
-    out.write_text(html, encoding="utf-8")
+    try:
+        out.write_text(html, encoding="utf-8")
+    except OSError as exc:
+        raise ReportError(f"{out}: cannot write it ({exc.strerror})") from None
     return out
 
 

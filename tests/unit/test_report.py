@@ -107,16 +107,22 @@ def test_shift_statistics_by_kind_and_phase():
     assert ("lend_trainer", "aborted") not in rows  # a phase it never recorded
 
 
-@pytest.mark.parametrize("case", ["missing", "empty", "file"])
-def test_a_bad_run_dir_is_one_line_and_exit_2(tmp_path, capsys, case):
-    target = tmp_path / "run"
+@pytest.mark.parametrize("case", ["missing", "empty", "file", "garbled", "unwritable"])
+def test_a_bad_run_dir_is_one_line_and_exit_2(run_dir, tmp_path, capsys, case):
+    target, argv = tmp_path / "bad", []
     if case == "empty":
         target.mkdir()
     elif case == "file":
         target.write_text("not a folder")
-    assert main(["report", str(target)]) == 2
+    elif case == "garbled":
+        target.mkdir()
+        (target / "metrics.jsonl").write_text('not json\n{"type": "step"}\n')
+    elif case == "unwritable":
+        target, argv = run_dir, ["-o", str(tmp_path / "no" / "such" / "folder.html")]
+    assert main(["report", str(target), *argv]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith(f"pivot report: {target}")
+    assert err.count("\n") == 1 and err.startswith("pivot report: ")
+    assert str(target) in err or "folder.html" in err
 
 
 def test_events_place_training_and_give_the_first_allocation(run_dir, capsys):
