@@ -651,15 +651,19 @@ def compare(
     sweep_steps: int | None = None,
     journal_dir: str | Path | None = None,
     progress: Callable[[str], None] | None = None,
+    on_run: Callable[[RunResult], None] | None = None,
 ) -> Comparison:
     """PivotRL and each baseline, each at Table 4's split and at the best swept split (for
-    PivotRL: its trainer pool, the one pool it does not shift)."""
+    PivotRL: its trainer pool, the one pool it does not shift). ``on_run`` gets each run that
+    ``Comparison.runs`` will list as it finishes (what an interrupted comparison has so far)."""
     kinds = [DeploymentKind(k) for k in (deployments or list(DeploymentKind))]
     say = progress or (lambda _: None)
+    done = on_run or (lambda _: None)
     baselines: dict[str, BaselineRuns] = {}
     for kind in kinds:
         split = table4_split(kind, gpus, workload.replica_sizes())
         table4 = simulate(workload, split, settings, label="table4", journal_dir=journal_dir)
+        done(table4)  # before the line: a run the line announces is one Ctrl-C keeps
         say(f"{kind.value} {split.label()} (table 4): {table4.samples_per_s:.3f} samples/s")
         runs = BaselineRuns(table4=table4)
         if sweep and kind is not DeploymentKind.COLOCATED:
@@ -679,6 +683,7 @@ def compare(
                 runs.sweep = simulate(
                     workload, best, settings, label="sweep", journal_dir=journal_dir
                 )
+                done(runs.sweep)
                 say(
                     f"{kind.value} {best.label()} (sweep): {runs.sweep.samples_per_s:.3f} samples/s"
                 )
@@ -716,18 +721,16 @@ def horizon_study(
     horizons: Sequence[float] = HORIZONS,
     *,
     journal_dir: str | Path | None = None,
+    on_run: Callable[[RunResult], None] | None = None,
 ) -> list[RunResult]:
     split = table4_split(DeploymentKind.PIVOT, gpus, workload.replica_sizes())
-    return [
-        simulate(
-            workload,
-            split,
-            pivot_settings(settings, horizon_s=h),
-            label=f"H={h:g}",
-            journal_dir=journal_dir,
-        )
-        for h in horizons
-    ]
+    out = []
+    for h in horizons:
+        settings_h = pivot_settings(settings, horizon_s=h)
+        out.append(simulate(workload, split, settings_h, label=f"H={h:g}", journal_dir=journal_dir))
+        if on_run is not None:
+            on_run(out[-1])
+    return out
 
 
 def ablation_study(
@@ -737,9 +740,12 @@ def ablation_study(
     names: Sequence[str] = tuple(ABLATIONS),
     *,
     journal_dir: str | Path | None = None,
+    on_run: Callable[[RunResult], None] | None = None,
 ) -> list[RunResult]:
     split = table4_split(DeploymentKind.PIVOT, gpus, workload.replica_sizes())
+    done = on_run or (lambda _: None)
     out = [simulate(workload, split, settings, label="full", journal_dir=journal_dir)]
+    done(out[-1])
     for name in names:
         if name not in ABLATIONS:
             raise SimulationError(f"unknown ablation {name!r}; known: {', '.join(ABLATIONS)}")
@@ -752,6 +758,7 @@ def ablation_study(
                 journal_dir=journal_dir,
             )
         )
+        done(out[-1])
     return out
 
 

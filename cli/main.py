@@ -103,9 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_run)
 
-    from pivot.cli import journal, newmodel, simulate
+    from pivot.cli import journal, newmodel, report, simulate
 
     simulate.add_parser(sub)
+    report.add_parser(sub)
     journal.add_parser(sub)
     newmodel.add_parser(sub)
 

@@ -54,8 +54,9 @@ from pivot.bus.statsfile import BusStatsFile, read_stats_dir, trouble
 from pivot.bus.supervisor import ChildDidNotStart, SupervisorEscalation
 from pivot.cli.inputs import EVAL_IDS, Inputs, read_inputs
 from pivot.cli.interrupts import Interrupted, signal_of
-from pivot.cli.live import LiveView
+from pivot.cli.live import SHORT_ROLES, LiveView
 from pivot.cli.plot import plot_run
+from pivot.cli.report import ReportError, starting_allocation, write_report
 from pivot.cli.resume import (
     check_resumed_config,
     checkpoints_of,
@@ -94,8 +95,6 @@ from pivot.timeline import RoleSample, ShiftMark, TrainSpan
 # replicas for routing and is the planner's prior; the Controller sees measured latencies.
 TINY_CPU_COST = CostModel(a=2e-7, b=1e-3, c=5e-5, d=5e-4)
 
-_SHORT = {"rollout": "RO", "reward": "RM", "training": "TR"}
-
 #: The run dir's folder of bus counters, one file per process (docs/metrics.md).
 BUS_STATS = "bus"
 
@@ -124,7 +123,7 @@ def _default_run_dir() -> Path:
 
 
 def _allocation_text(allocation: dict[str, int]) -> str:
-    return " ".join(f"{_SHORT.get(r, r)}{n}" for r, n in sorted(allocation.items()) if n)
+    return " ".join(f"{SHORT_ROLES.get(r, r)}{n}" for r, n in sorted(allocation.items()) if n)
 
 
 class Job:
@@ -243,7 +242,13 @@ class Job:
                     style="yellow",
                 )
             if self.view is not None:
-                self.view.on_step(report.scores, report.samples_per_s)
+                self.view.on_step(
+                    report.scores,
+                    report.samples_per_s,
+                    train=report.train,
+                    seconds=report.seconds,
+                    train_s=report.train_s,
+                )
             console.print(
                 f"step {report.step:3d}  {scores_text(report.scores)}{loss}  "
                 f"{report.samples_per_s:5.1f} samples/s {report.tokens_per_s:5.0f} tok/s  "
@@ -337,6 +342,11 @@ class Job:
         driver = self.assembly.driver
         sup.install_signal_handlers()
         counters.start()
+        if self.view is not None:  # start-up phase for the live panel
+            self.view.phase(
+                f"starting {len(d.agent_devices)} role agents (each loads its models) and "
+                f"{len(d.trainer_devices)} trainer ranks (DeepSpeed engine build)"
+            )
         try:
             try:
                 await sup.start()
@@ -346,6 +356,8 @@ class Job:
                 raise
             write_job_file(run_dir, self.sockets, self._names(), "running")
             self.started.set()
+            if self.view is not None:  # start-up phase for the live panel
+                self.view.phase("every actor started; step 0's rollouts are generating")
             done = asyncio.ensure_future(driver.finished.wait())
             failed = asyncio.ensure_future(sup.wait())
             stopped = asyncio.ensure_future(self._stop.wait())
@@ -444,9 +456,16 @@ def write_job_file(run_dir: Path, sockets: Path, names: Sequence[str], state: st
     partial.replace(run_dir / JOB_FILE)
 
 
-def write_plot(runner: Job | None, run_dir: Path, kind: str) -> Path | None:
+def write_plot(
+    runner: Job | None,
+    run_dir: Path,
+    kind: str,
+    initial: dict[str, int] | None = None,
+    fixed: dict[str, int] | None = None,
+) -> Path | None:
     """``throughput.png`` of what the job ran so far: its roles' throughput, its shifts and
-    when it trained (None: it never got as far as its Monitor)."""
+    when it trained, the allocation as a lane strip from ``initial`` on (None: it never got
+    as far as its Monitor)."""
     if runner is None or runner.monitor is None or runner.assembly is None:
         return None
     monitor = runner.monitor
@@ -465,7 +484,21 @@ def write_plot(runner: Job | None, run_dir: Path, kind: str) -> Path | None:
         trains,
         run_dir / "throughput.png",
         title=f"pivot run ({kind}): {run_dir.name}",
+        initial=initial,
+        fixed=fixed,
     )
+
+
+def write_outputs(
+    runner: Job | None, run_dir: Path, kind: str, allocation: dict[str, int], fixed: dict[str, int]
+) -> tuple[Path | None, Path | None]:
+    """The plot and ``report.html`` of what ran (each None where it could not be made: a job
+    stopped before its Monitor has no plot, one stopped before a step's record no report)."""
+    plot = write_plot(runner, run_dir, kind, allocation, fixed)
+    report = None
+    with contextlib.suppress(ReportError):
+        report = write_report(run_dir)
+    return plot, report
 
 
 def bus_trouble_line(run_dir: Path) -> str | None:
@@ -683,17 +716,9 @@ def main(args: argparse.Namespace) -> int:
             + (f"; cut steps {cut} from metrics.jsonl (run again)" if cut else "")
         )
     started = time.perf_counter()
-    allocation: dict[str, int] = {"training": ranks}
-    for device in deployment.agent_devices:
-        placed = deployment.placement(device)
-        if placed is not None and placed.role is not Role.TRAINING:
-            allocation[placed.role.value] = allocation.get(placed.role.value, 0) + 1
-    view = LiveView(
-        inputs.steps,
-        d.kind,
-        allocation,
-        fixed={} if deployment.lends_trainer else {"training": ranks},
-    )
+    allocation, fixed = starting_allocation(deployment)
+    view = LiveView(inputs.steps, d.kind, allocation, fixed=fixed, clock=time.monotonic)
+    view.phase("assembling the job: tokenizers, prompts, actors")
     tracker = open_tracker(run_dir, job.log.tensorboard, allocation=allocation, fixed=view.fixed)
     if resume is not None:
         view.done = resume.state.next_step
@@ -703,9 +728,10 @@ def main(args: argparse.Namespace) -> int:
         with logs_to(run_dir / "actors.log"), Live(view, console=console, refresh_per_second=4):
             reports, monitor = run_real(runner.run())
     except KeyboardInterrupt as exc:
-        # the plot of what ran, as a finished run gets; it must not hide the interrupt
+        # the plot and report of what ran, as a finished run gets; they must not hide the
+        # interrupt
         with contextlib.suppress(Exception):
-            write_plot(runner, run_dir, d.kind)
+            write_outputs(runner, run_dir, d.kind, allocation, fixed)
         with contextlib.suppress(OSError):  # SIGHUP: the terminal may be gone
             console.print(
                 f"\ninterrupted by {signal_of(exc).name} after {view.done} steps; every child "
@@ -715,7 +741,7 @@ def main(args: argparse.Namespace) -> int:
     except SupervisorEscalation as exc:
         # a child died and may not come back: say which and why in one line, and how to go on
         with contextlib.suppress(Exception):
-            write_plot(runner, run_dir, d.kind)
+            write_outputs(runner, run_dir, d.kind, allocation, fixed)
         latest = checkpoints_of(run_dir).latest()
         after = (
             f"; continue with pivot run --resume {run_dir} (from {latest.folder.name})"
@@ -742,7 +768,7 @@ def main(args: argparse.Namespace) -> int:
         tracker.close()
     console.print()
     wall = time.perf_counter() - started
-    plot = write_plot(runner, run_dir, d.kind)
+    plot, report = write_outputs(runner, run_dir, d.kind, allocation, fixed)
     kinds = {}
     for mark in monitor.shifts:
         kinds[mark.kind] = kinds.get(mark.kind, 0) + 1
@@ -760,7 +786,7 @@ def main(args: argparse.Namespace) -> int:
     console.print(
         f"done: {len(reports)} steps in {wall:.1f} s; reward {mean(first)} (first 5 steps) "
         f"-> {mean(last)} (last 5); {failed}shifts {sum(kinds.values())} {kinds}\n"
-        f"metrics {run_dir / 'metrics.jsonl'}, plot {plot}, "
+        f"metrics {run_dir / 'metrics.jsonl'}, plot {plot}, report {report}, "
         + (f"journal {run_dir / 'shift.journal'}, " if d.kind != "disaggregated" else "")
         + f"logs {run_dir / 'actors.log'}"
         + (f", tensorboard --logdir {run_dir / 'tensorboard'}" if job.log.tensorboard else "")

@@ -8,8 +8,9 @@ against the colocated, disaggregated and rollout-reward colocated deployments.
 Every static baseline runs at the seed's Table 4 split scaled to N devices and at the best
 split a sweep finds (``--no-sweep``: Table 4 only); PivotRL's speedup over a baseline is
 against the better of the two. The run directory gets ``metrics.jsonl`` (one line per run,
-step, timeline sample, shift and training span), one Figure-10-style plot per deployment and
-the Controller's shift journals. Each metrics line has ``record`` (run | step | sample | shift |
+step, timeline sample, shift and training span), ``summary.json`` (the report it prints),
+one Figure-10-style plot per deployment, ``report.html`` (``pivot report``: every run on one
+page) and the Controller's shift journals; Ctrl-C leaves the same of the runs done so far. Each metrics line has ``record`` (run | step | sample | shift |
 train) and ``run`` (deployment-label).
 
 Output is the same byte for byte for the same arguments, except ``wall_s`` (the real time the
@@ -19,6 +20,7 @@ command took): ``--no-wall`` prints it as null.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -117,12 +119,28 @@ def main(args: argparse.Namespace) -> int:
         if not args.json:
             print(line, file=sys.stderr, flush=True)
 
+    finished: list[Any] = []  # the runs done so far: what Ctrl-C leaves in the run dir
+    # what was simulated, resolved (the workload with its defaults, the settings), for the report
+    resolved = {
+        "source": str(args.config),
+        "workload": msgspec.to_builtins(workload.config),
+        "settings": msgspec.to_builtins(settings),
+        "gpus": args.gpus,
+        "deployment": args.deployment,
+        "study": args.study,
+        "sweep": not args.no_sweep,
+        "sweep_steps": args.sweep_steps,
+    }
     try:
         if args.study == "horizon":
-            results = horizon_study(workload, args.gpus, settings, journal_dir=journals)
+            results = horizon_study(
+                workload, args.gpus, settings, journal_dir=journals, on_run=finished.append
+            )
             report = _study_report("horizon", results, args, name)
         elif args.study == "ablation":
-            results = ablation_study(workload, args.gpus, settings, journal_dir=journals)
+            results = ablation_study(
+                workload, args.gpus, settings, journal_dir=journals, on_run=finished.append
+            )
             report = _study_report("ablation", results, args, name)
         else:
             deployments = None if args.deployment == "all" else [args.deployment]
@@ -135,21 +153,54 @@ def main(args: argparse.Namespace) -> int:
                 sweep_steps=args.sweep_steps,
                 journal_dir=journals,
                 progress=progress,
+                on_run=finished.append,
             )
             results = comparison.runs()
             report = _comparison_report(comparison, args)
     except (SimulationError, DeploymentError) as exc:
         print(f"pivot simulate: {exc}", file=sys.stderr)
         return 1
-    _write_metrics(run_dir / "metrics.jsonl", results)
-    plots = [] if args.no_plot else _plot(run_dir, results, name)
+    except KeyboardInterrupt:
+        # what ran, as a finished command leaves it; it must not hide the interrupt
+        with contextlib.suppress(Exception):
+            partial = {"workload": name, "gpus": args.gpus, "steps": args.steps}
+            partial |= {"seed": args.seed, "interrupted": True}
+            partial["runs"] = [r.summary() for r in finished]
+            _write_run_dir(run_dir, finished, name, partial, resolved, plot=not args.no_plot)
+            print(
+                f"interrupted: {len(finished)} runs finished; what ran is in {run_dir}",
+                file=sys.stderr,
+            )
+        raise
     report["run_dir"] = str(run_dir)
     report["wall_s"] = None if args.no_wall else round(time.perf_counter() - started, 2)
+    plots = _write_run_dir(run_dir, results, name, report, resolved, plot=not args.no_plot)
     if args.json:
         print(json.dumps(report, sort_keys=True))
     else:
         print(_format(report, plots))
     return 0
+
+
+def _write_run_dir(
+    run_dir: Path,
+    results: list[Any],
+    name: str,
+    report: dict[str, Any],
+    resolved: dict[str, Any],
+    *,
+    plot: bool,
+) -> list[Path]:
+    """metrics.jsonl, summary.json (the printed report and what was simulated), the plots
+    and report.html; the paths of the plots and the report."""
+    from pivot.cli.report import SUMMARY_NAME, write_report
+
+    _write_metrics(run_dir / "metrics.jsonl", results)
+    summary = {"report": report, "resolved": resolved}
+    (run_dir / SUMMARY_NAME).write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
+    if not plot:
+        return []
+    return [*_plot(run_dir, results, name), write_report(run_dir)]
 
 
 # --- reports ----------------------------------------------------------------------------------
@@ -256,7 +307,7 @@ def _format(report: dict[str, Any], plots: list[Path]) -> str:
                 lines.append(f"  (PivotRL at Table 4's trainer pool, not swept: {parts})")
     lines.append(f"run directory: {report['run_dir']}")
     for plot in plots:
-        lines.append(f"  plot: {plot}")
+        lines.append(f"  {'report' if plot.suffix == '.html' else 'plot'}: {plot}")
     if report["wall_s"] is not None:
         lines.append(f"wall time: {report['wall_s']:.1f} s")
     return "\n".join(lines)

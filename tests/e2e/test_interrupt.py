@@ -86,6 +86,9 @@ def test_a_signal_mid_run_stops_every_child_and_keeps_the_steps_done(tmp_path, s
     assert [pid for pid in children if _alive(pid)] == []
     steps = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert len(steps) >= 2
-    # the plot of what ran, as a finished run leaves
+    # the plot and the report of what ran, as a finished run leaves
     assert (run_dir / "throughput.png").read_bytes()[:4] == b"\x89PNG"
+    report = (run_dir / "report.html").read_text()
+    assert report.count('src="data:image/png;base64,') == 2
+    assert "<tr><td>1</td><td>v1</td>" in report  # step 1, reported before the signal
     assert _socket_folders(process.pid) == []

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -246,6 +247,30 @@ def test_job_shifts_and_leaves_no_processes(shifting_run):
     assert bus["main"]["actors"]["driver"]["requests_sent"] > 0
     assert _children_of(run.proc.pid) == []
     assert not any(p for p in _children_of(os.getpid()) if _is_agent(p))
+
+
+def test_the_run_leaves_its_report_and_pivot_report_rebuilds_it(shifting_run, tmp_path):
+    """The run dir's report.html (written as the run ended) holds its embedded plots, every
+    step in the step table, the shift statistics and the resolved config; `pivot report`
+    writes it again from the run dir alone."""
+    written = (shifting_run.dir / "report.html").read_text()
+    again = tmp_path / "again.html"
+    done = subprocess.run(
+        [*PIVOT, "report", str(shifting_run.dir), "-o", str(again)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(again)
+    for html in (written, again.read_text()):
+        # the throughput plot with its lane strip and the reward curve, embedded
+        assert len(re.findall(r'src="data:image/png;base64,[A-Za-z0-9+/=]{1000,}"', html)) == 2
+        table = html.split('<table class="steps">')[1].split("</table>")[0]
+        steps = re.findall(r"<tr><td>(\d+)</td><td>v(\d+)</td>", table)
+        assert steps == [(str(r["step"]), str(r["policy_version"])) for r in shifting_run.reports]
+        assert '<td class="l">reclaim_trainer</td><td class="l">total</td>' in html
+        assert f"steps = {STEPS}" in html  # the resolved config
 
 
 def test_same_seed_same_rewards_without_shifts(shifting_run, fixed_run):

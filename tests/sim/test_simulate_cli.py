@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 import pytest
 from toy import toy_workload
@@ -99,3 +100,57 @@ def test_the_parser_names_every_ablation_and_imports_nothing_heavy():
     from pivot.actors.simulation import ABLATIONS
 
     assert sorted(simulate.ABLATION_NAMES) == sorted(ABLATIONS)
+
+
+def _steps_of(html: str, section: str) -> list[str]:
+    """The step numbers of a report's step table in the section of run ``section``."""
+    part = html.split(f"<h2>{section}</h2>")[1].split("</section>")[0]
+    table = part.split('<table class="steps">')[1].split("</table>")[0]
+    return re.findall(r"<tr><td>(\d+)</td>", table)
+
+
+def test_a_simulate_run_dir_gets_its_report_and_pivot_report_reads_it(tmp_path, capsys):
+    from pivot.cli.main import main
+
+    toy_workload(tmp_path, prompts=2, samples=4, sigma=0.8, response=200, per_running=0.005)
+    run_dir = tmp_path / "run"
+    argv = [str(tmp_path / "toy.toml"), "--gpus", "16", "--steps", "2", "--deployment", "pivot"]
+    out = _run([*argv, "--no-sweep", "--run-dir", str(run_dir)], capsys)
+    assert f"report: {run_dir / 'report.html'}" in out
+    assert main(["report", str(run_dir), "-o", str(tmp_path / "again.html")]) == 0
+    html = (tmp_path / "again.html").read_text()
+    assert html == (run_dir / "report.html").read_text()  # the same records, the same page
+    assert len(re.findall(r'src="data:image/png;base64,[A-Za-z0-9+/=]{1000,}"', html)) == 1
+    assert _steps_of(html, "pivot-table4") == ["0", "1"]
+    assert "sequences aborted (taken off a replica)" in html  # the run's migration costs
+    assert "What was simulated" in html and "&#34;gpus&#34;: 16" in html
+
+
+def test_ctrl_c_leaves_the_runs_done_so_far_with_their_plot_and_report(
+    tmp_path, capsys, monkeypatch
+):
+    from pivot.actors import simulation
+
+    toy_workload(tmp_path, prompts=2, samples=4, sigma=0.8, response=200, per_running=0.005)
+    real = simulation.simulate
+    calls = []
+
+    def interrupted_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(simulation, "simulate", interrupted_second)
+    run_dir = tmp_path / "run"
+    argv = [str(tmp_path / "toy.toml"), "--gpus", "8", "--steps", "1", "--no-sweep"]
+    with pytest.raises(KeyboardInterrupt):
+        _run([*argv, "--run-dir", str(run_dir)], capsys)
+    summary = json.loads((run_dir / "summary.json").read_text())["report"]
+    assert summary["interrupted"] and len(summary["runs"]) == 1
+    first = summary["runs"][0]
+    name = f"{first['deployment']}-{first['label']}"
+    assert (run_dir / f"plot-{name}.png").read_bytes()[:4] == b"\x89PNG"
+    html = (run_dir / "report.html").read_text()
+    assert _steps_of(html, name) == ["0"]
+    assert "interrupted: 1 runs finished" in capsys.readouterr().err

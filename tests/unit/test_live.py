@@ -70,3 +70,50 @@ def test_a_fixed_trainer_pool_stays_on_the_panel_across_shifts():
     view.on_shift(ShiftMark(t=0.5, kind="shift", allocation={"reward": 2}))
     training = next(line for line in _render(view).splitlines() if " training " in line)
     assert training.split()[-1] == "2"
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_panel_says_what_start_up_does_then_elapsed_eta_and_the_trainer():
+    clock = FakeClock()
+    view = LiveView(10, "pivot", {"rollout": 2, "reward": 1, "training": 2}, clock=clock)
+    view.phase("starting 3 role agents (each loads its models)")
+    clock.now += 16.0
+    text = _render(view)
+    assert "starting 3 role agents (each loads its models)" in text
+    assert "elapsed 0:16" in text and "ETA" not in text
+    assert "training  waiting for the first trained step" in text
+    train = {"version": 1, "loss": -0.0123, "grad_norm": 0.456, "lr": 1e-4, "kl": 0.0}
+    view.on_step(scores(0.5), 8.0, train=train, seconds=12.0, train_s=1.5)
+    clock.now += 10.0
+    view.on_step(scores(0.6), 8.0, train={**train, "version": 2}, seconds=11.0, train_s=1.25)
+    text = _render(view)
+    assert "starting 3 role agents" not in text  # start-up is over
+    # steps took 12 s and 10 s: the median of them for each of the 8 to go
+    assert view.eta_s() == 8 * 11.0
+    assert "elapsed 0:26" in text and "ETA 1:28" in text
+    line = next(line for line in text.splitlines() if line.startswith("training  "))
+    assert line.split("  ")[1:] == [
+        "v2",
+        "loss -0.0123",
+        "grad norm 0.456",
+        "lr 1.00e-04",
+        "kl 0",
+        "train 1.25 s",
+    ]
+
+
+def test_device_map_shows_counts_then_each_device_once_fed():
+    view = LiveView(4, "pivot", {"rollout": 2, "reward": 1, "training": 2})
+    devices = next(line for line in _render(view).splitlines() if line.startswith("devices"))
+    assert devices.split()[1:] == ["█████", "rollout", "2", "reward", "1", "training", "2"]
+    view.on_devices({0: "rollout", 1: "reward", 2: "reward", 3: "training", 4: "training"})
+    devices = next(line for line in _render(view).splitlines() if line.startswith("devices"))
+    assert devices.split()[1:6] == ["0:RO", "1:RM", "2:RM", "3:TR", "4:TR"]
+    assert devices.split()[6:] == ["rollout", "1", "reward", "2", "training", "2"]
