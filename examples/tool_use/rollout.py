@@ -29,6 +29,11 @@ MAX_CALLS = 2
 _CALL = re.compile(rf"{re.escape(OPEN)}(\d{{1,6}}){re.escape(OPERATOR)}(\d{{1,6}})$")
 
 
+def open_call(text: str) -> bool:
+    """Whether ``text`` ends inside a call: an OPEN after the last CLOSE."""
+    return text.rfind(OPEN) > text.rfind(CLOSE)
+
+
 def calculator(text: str) -> str:
     """The tool's reply to the call that ends ``text`` (without its CLOSE): "=444 " for
     "...[37*12", "=? " for a call it cannot read."""
@@ -49,8 +54,10 @@ async def rollout(ctx, task) -> Trajectory:
         trajectory.add_generation(turn)
         if list(turn.token_ids[-1:]) != close or calls == MAX_CALLS:
             break
+        text = codec.decode(trajectory.response_ids)[: -len(CLOSE)]
+        if not open_call(text):
+            break  # a CLOSE that closes nothing: the policy wrote junk, the rollout ends
         calls += 1
-        result = calculator(codec.decode(trajectory.response_ids)[: -len(CLOSE)])
-        trajectory.add_tokens(codec.encode(result, bos=False))
+        trajectory.add_tokens(codec.encode(calculator(text), bos=False))
     trajectory.metrics = {"tool_calls": float(calls)}
     return trajectory
