@@ -5,7 +5,10 @@ its role's scheduler, steps the engine while it has work, and reports finished s
 the scheduler with a request (they must arrive: a report that timed out is kept and retried
 within ``report_retries``, then the agent crashes with one error naming it; a report the
 scheduler refuses is not retried, the agent crashes at once). Engine steps run in a worker thread so that the actor keeps answering while the
-device computes; a lock keeps engine calls from overlapping a step.
+device computes; a lock keeps engine calls from overlapping a step. Every completion and
+partial output says which policy version sampled which of its tokens (run-length ``Chunk``s
+summing to its token count): a re-prefilled sequence keeps the chunks it came with, and a
+weight load with sequences running splits their chunks where it happened (``_Versions``).
 
 Changing role at run time (DESIGN.md, "Shifting a device group"). An agent sits on one
 device and holds one role at a time: free, rollout, reward or training. It keeps one engine
@@ -68,6 +71,7 @@ from pivot.actors.messages import (
     Partial,
     RegisterReplica,
     ReplicaLoad,
+    Work,
     copy_ids,
 )
 from pivot.actors.shift_messages import (
@@ -85,6 +89,7 @@ from pivot.bus.codec import job_secret
 from pivot.cluster import INFERENCE_ROLES, Role
 from pivot.engines.protocol import ContextKind, InferenceEngine, NamedTensors
 from pivot.retry import RetryBudget
+from pivot.trajectory import Chunk, add_chunk, chunk_tokens
 
 #: What a device drops on shift-down and takes back on shift-up (persistent context stays).
 SHIFT_CONTEXT = (ContextKind.TRANSIENT, ContextKind.WEIGHTS)
@@ -209,7 +214,9 @@ class RoleAgent(Actor):
         self._shift_lock = asyncio.Lock()
         self._work = asyncio.Event()
         self._unreported: list[Completion] = []
-        self._held: set[int] = set()  # sequences in the engine: assigned, not finished/aborted
+        # sequences in the engine (assigned, not finished or aborted) and which policy version
+        # sampled which of their tokens
+        self._held: dict[int, _Versions] = {}
         # migrated sequences (assigned with a partial output) until their re-prefill ran,
         # then the re-prefill's seconds until they finish (reported with the completion)
         self._reprefilling: set[int] = set()
@@ -251,10 +258,11 @@ class RoleAgent(Actor):
                 f"agent {self.name!r} serves no replica now (role {self.role.value}); "
                 "assign refused"
             )
-        await self._catch_up(max((w.policy_version for w in msg.sequences), default=0))
+        versions = [_Versions.of(work) for work in msg.sequences]  # refuses before any is added
+        await self.catch_up(max((w.policy_version for w in msg.sequences), default=0))
         async with self._engine_lock:
             self.stepping.settle(self)
-            for work in msg.sequences:
+            for work, tally in zip(msg.sequences, versions, strict=True):
                 self.engine.add(
                     work.seq_id,
                     work.prompt_ids,
@@ -262,22 +270,29 @@ class RoleAgent(Actor):
                     work.sampling,
                     generated_logprobs=work.generated_logprobs or None,
                 )
-                self._held.add(work.seq_id)
+                self._held[work.seq_id] = tally
                 if work.generated_ids:
                     self._reprefilling.add(work.seq_id)
         self._work.set()
         return Ack(count=len(msg.sequences))
 
-    async def _catch_up(self, version: int) -> None:
+    async def catch_up(self, version: int) -> None:
         """Read a newer policy from GPS before serving sequences of that version: a replica
-        that never shifts must still follow the trainer."""
+        that never shifts must still follow the trainer (an Assign of a newer version does
+        it; the test kit's version bumps call it directly)."""
         engine, loader = self.engine, self.weights.get(self.role)
         if engine is None or loader is None or engine.stats().weights_version >= version:
             return
         model = self.models.get(self.role, "")
         tensors, got = await self.stepping.call(loader, model, version)
         async with self._engine_lock:
+            before = engine.stats().weights_version
             engine.load_weights(tensors, got)
+            if got != before:
+                # running sequences keep their KV cache: their tokens so far are the old
+                # policy's, the next ones the new policy's
+                for tally in self._held.values():
+                    tally.close(before)
         self.log.info("weights updated", role=self.role.value, version=got)
 
     @handles
@@ -286,12 +301,11 @@ class RoleAgent(Actor):
             return Aborted(partials=[])
         async with self._engine_lock:
             self.stepping.settle(self)
-            partials = self.engine.abort(msg.seq_ids)
+            partials = self._take_back(self.engine.abort(msg.seq_ids))
             for p in partials:
-                self._held.discard(int(p.seq_id))
-                self._reprefilling.discard(int(p.seq_id))
-                self._reprefill_s.pop(int(p.seq_id), None)
-        return Aborted(partials=[_partial(p) for p in partials])
+                self._reprefilling.discard(p.seq_id)
+                self._reprefill_s.pop(p.seq_id, None)
+        return Aborted(partials=partials)
 
     # --- shifting ---------------------------------------------------------------------------
 
@@ -331,14 +345,14 @@ class RoleAgent(Actor):
         async with self._report_lock:
             async with self._engine_lock:
                 self.stepping.settle(self)
-                partials = self.engine.abort(None)
+                partials = self._take_back(self.engine.abort(None))
                 self._held.clear()
                 self._reprefilling.clear()
                 self._reprefill_s.clear()
             completions, self._unreported = self._unreported, []
         return Evacuated(
             replica=msg.replica,
-            partials=[_partial(p) for p in partials],
+            partials=partials,
             completions=completions,
         )
 
@@ -466,18 +480,49 @@ class RoleAgent(Actor):
             for seq_id in self._reprefilling.intersection(out.admitted):
                 self._reprefill_s[seq_id] = out.prefill_s
             self._reprefilling.difference_update(out.admitted)
-        self._held.difference_update(int(f.seq_id) for f in out.finished)
-        self._unreported.extend(
-            Completion(
-                seq_id=int(f.seq_id),
-                token_ids=copy_ids(f.token_ids),
-                logprobs=list(f.logprobs),
-                finish_reason=f.finish_reason,
-                replica=self.replica or "",
-                reprefill_s=self._reprefill_s.pop(int(f.seq_id), 0.0),
+        held = self._held
+        for event in out.events:  # one per running sequence and step, where the engine emits them
+            tally = held.get(event.seq_id)  # type: ignore[arg-type]
+            if tally is not None:
+                tally.counted += 1
+        if not out.finished:
+            return
+        version = self._version()
+        for f in out.finished:
+            seq_id = int(f.seq_id)
+            self._unreported.append(
+                Completion(
+                    seq_id=seq_id,
+                    token_ids=copy_ids(f.token_ids),
+                    logprobs=list(f.logprobs),
+                    finish_reason=f.finish_reason,
+                    chunks=_Versions.end(held.pop(seq_id, None), len(f.token_ids), version),
+                    replica=self.replica or "",
+                    reprefill_s=self._reprefill_s.pop(seq_id, 0.0),
+                )
             )
-            for f in out.finished
-        )
+
+    def _version(self) -> int:
+        """The policy version the engine samples with now."""
+        assert self.engine is not None
+        return self.engine.stats().weights_version
+
+    def _take_back(self, partials: list[Any]) -> list[Partial]:
+        """The engine's partial outputs of sequences it gave back, as messages carry them."""
+        if not partials:
+            return []
+        version = self._version()
+        return [
+            Partial(
+                seq_id=int(p.seq_id),
+                token_ids=copy_ids(p.token_ids),
+                logprobs=list(p.logprobs),
+                chunks=_Versions.end(
+                    self._held.pop(int(p.seq_id), None), len(p.token_ids), version
+                ),
+            )
+            for p in partials
+        ]
 
     async def _report(self) -> None:
         async with self._report_lock:
@@ -688,8 +733,54 @@ def _wake_up(wake: asyncio.Future[None] | None) -> None:
         wake.set_result(None)
 
 
-def _partial(p: Any) -> Partial:
-    return Partial(seq_id=int(p.seq_id), token_ids=copy_ids(p.token_ids), logprobs=list(p.logprobs))
+class _Versions:
+    """Which policy version sampled which tokens of one held sequence: the chunks closed so
+    far (``closed`` tokens in all), then an open chunk sampled by the engine's current policy.
+
+    A weight load with the sequence running closes the open chunk at ``counted``, the tokens
+    the engine's ``TokenEvent``s reported so far. An engine that emits no events (a simulated
+    one with ``token_events=False``, or a multi-iteration step) reports none: its tokens are
+    counted only at the finish (or abort), all in the chunk open then, with the version then.
+    Counting is an increment per event, and a load happens once per policy version.
+    """
+
+    __slots__ = ("chunks", "closed", "counted")
+
+    def __init__(self, chunks: list[Chunk], tokens: int) -> None:
+        self.chunks = chunks
+        self.closed = tokens
+        self.counted = tokens
+
+    @classmethod
+    def of(cls, work: Work) -> _Versions:
+        """A sequence as assigned: the tokens re-prefilled from an earlier replica keep the
+        versions its chunks give them (without chunks: ``work.policy_version``, the oldest
+        policy that may serve the sequence)."""
+        tokens = len(work.generated_ids)
+        chunks = list(work.generated_chunks)
+        if not chunks:
+            add_chunk(chunks, tokens, work.policy_version)
+        elif chunk_tokens(chunks) != tokens:
+            raise ValueError(
+                f"sequence {work.seq_id}: generated_chunks cover {chunk_tokens(chunks)} tokens, "
+                f"generated_ids holds {tokens}"
+            )
+        return cls(chunks, tokens)
+
+    def close(self, version: int) -> None:
+        """The policy changes: the tokens counted since the last close were ``version``'s."""
+        add_chunk(self.chunks, self.counted - self.closed, version)
+        self.closed = self.counted
+
+    @staticmethod
+    def end(tally: _Versions | None, tokens: int, version: int) -> list[Chunk]:
+        """The chunks of a sequence that left the engine with ``tokens`` tokens, the last
+        ones sampled by ``version`` (a sequence the agent did not assign: all of them)."""
+        if tally is None:
+            return [Chunk(tokens, version)] if tokens else []
+        chunks = tally.chunks
+        add_chunk(chunks, tokens - tally.closed, version)
+        return chunks
 
 
 def engines_for(

@@ -195,6 +195,7 @@ class DriverOptions:
     # ctx.openai_base_url serves (None: none)
     rollout: Callable = single_turn
     gateway: Any = None
+    steps_by_hand: bool = False  # each training step waits for Driver.allow_step()
 
 
 @dataclass(frozen=True)
@@ -337,6 +338,7 @@ def assemble(
         stall_timeout=driver.stall_timeout,
         rollout=driver.rollout,
         gateway=driver.gateway,
+        steps_by_hand=driver.steps_by_hand,
     )
     assembly = Assembly(deployment, supervisor, the_driver)
     # the hooks make requests as the driver, so they are bound once it exists

@@ -51,16 +51,21 @@ from pivot.actors.messages import (
     Ack,
     Completed,
     Completion,
+    GenerateReply,
+    GenerateRequest,
     QueryStatus,
     SchedulerStatus,
+    SubmitTrajectories,
+    Work,
 )
-from pivot.actors.rollouts import Calls, DriverContext
+from pivot.actors.rollouts import Calls, DriverContext, generation
 from pivot.actors.sources import Sample, Source
 from pivot.actors.trainer_messages import TrainBatch, TrainerRestart
 from pivot.bus import Actor, Bus, handles
+from pivot.engines.protocol import SamplingParams
 from pivot.rewards import RewardFailed
 from pivot.rollout import Task, rollout_result, single_turn
-from pivot.trajectory import Trajectory
+from pivot.trajectory import Trajectory, TrajectoryError
 
 RolloutFunction = Callable[[Any, Task], Awaitable[Trajectory | list[Trajectory] | None]]
 
@@ -139,6 +144,7 @@ class StepReport(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", ta
     # run has none: each sequence is owned by one replica at a time)
     duplicates: int = 0
     rejected: int = 0  # rollouts that returned None: nothing of them trains
+    submitted: int = 0  # trajectories submitted from outside the rollout function
     # the trainer group died since the step before and came back so (the step was trained,
     # once, by the group that came back)
     trainer_restart: TrainerRestart | None = None
@@ -155,6 +161,7 @@ class _Batch:
         self.tasks = 0
         self.open_rollouts = 0  # rollout functions still running
         self.rejected = 0  # rollouts that returned None
+        self.submitted_trajectories = 0  # from SubmitTrajectories
         self.generations = 0  # generate calls completed
         self.response_tokens = 0
         self.judgment_tokens = 0
@@ -228,6 +235,7 @@ class Driver(Actor):
         before_first_step: Callable[[], Awaitable[None]] | None = None,
         rollout: RolloutFunction = single_turn,
         gateway: Any = None,
+        steps_by_hand: bool = False,
     ) -> None:
         super().__init__(name, bus)
         if source.judged and reward_scheduler is None:
@@ -243,6 +251,9 @@ class Driver(Actor):
             request_timeout=request_timeout,
         )
         self.steps = steps
+        # steps by hand: each training batch waits for allow_step()
+        self._permits = asyncio.Semaphore(0) if steps_by_hand else None
+        self._inbox: list[list[Trajectory]] = []  # submitted groups waiting for a batch
         self.staleness = staleness
         self.rollout_scheduler = rollout_scheduler
         self.reward_scheduler = reward_scheduler
@@ -292,6 +303,80 @@ class Driver(Actor):
                 self.log.warning("completion of an unknown sequence", seq_id=c.seq_id)
         return Ack(count=len(msg.completions))
 
+    # -- a process attached to the job, or a library user
+
+    @handles(calls_peers=True)  # answered once the sequence completed
+    async def generate(self, msg: GenerateRequest) -> GenerateReply:
+        work = Work(
+            seq_id=self.calls.new_id(),
+            prompt_ids=list(msg.prompt_ids),
+            sampling=msg.sampling,
+            policy_version=self.policy_version,
+            session=msg.session,
+        )
+        completion = await self.calls.call("rollout", work)
+        return GenerateReply(generation=generation(work, completion, self.source.codec))
+
+    @handles
+    def submit_trajectories(self, msg: SubmitTrajectories) -> Ack:
+        for g, group in enumerate(msg.groups):
+            for i, t in enumerate(group):
+                where = f"group {g}, trajectory {i}"
+                if t.reward is None:
+                    raise ValueError(f"{where}: a submitted trajectory needs its reward")
+                try:
+                    t.check()
+                except TrajectoryError as exc:
+                    raise ValueError(f"{where}: {exc}") from None
+        self._inbox.extend(msg.groups)
+        batch = self._rolling_out()
+        if batch is not None:
+            self._take_inbox(batch)
+        return Ack(count=sum(len(g) for g in msg.groups))
+
+    def _rolling_out(self) -> _Batch | None:
+        """The newest training batch submitted and not yet scored."""
+        for step in sorted(self._open, reverse=True):
+            batch = self._open[step]
+            if batch.submitted and not batch.done.is_set():
+                return batch
+        return None
+
+    def _take_inbox(self, batch: _Batch) -> None:
+        """Submitted groups join ``batch``: scored already, they train with it."""
+        groups, self._inbox = self._inbox, []
+        for group in groups:
+            group_id = self.calls.new_id()
+            for i, trajectory in enumerate(group):
+                seq_id = self.calls.new_id()
+                task = Task(
+                    seq_id=seq_id,
+                    step=batch.step,
+                    group=group_id,
+                    sample=i,
+                    prompt_ids=trajectory.prompt_ids,
+                    sampling=SamplingParams(),
+                )
+                sample = Sample(
+                    seq_id=seq_id,
+                    group=group_id,
+                    task=task,
+                    trajectory=trajectory,
+                    score=float(trajectory.reward),
+                    metrics=dict(trajectory.metrics),
+                )
+                batch.samples[seq_id] = sample
+                batch.submitted_trajectories += 1
+                batch.scored += 1
+                batch.source.done(sample)
+        batch.settle()
+
+    def allow_step(self) -> None:
+        """With ``steps_by_hand``: let the next step start."""
+        if self._permits is None:
+            raise RuntimeError("the driver runs its steps itself (steps_by_hand is off)")
+        self._permits.release()
+
     def _context(self, batch: _Batch, task: Task) -> DriverContext:
         return DriverContext(
             task,
@@ -319,7 +404,7 @@ class Driver(Actor):
             )
             trajectories = None
         finally:
-            ctx.end_session()
+            ctx.finish()
         if trajectories is None:
             failed = Sample(seq_id=task.seq_id, group=task.group, task=task, failure="rollout")
             batch.samples[task.seq_id] = failed
@@ -444,7 +529,9 @@ class Driver(Actor):
                     staged = self.checkpoints.stage(batch.step)
                     request = msgspec.structs.replace(request, checkpoint=str(staged))
                 if isinstance(request, TrainBatch):
-                    request = msgspec.structs.replace(request, version=self.policy_version)
+                    request = msgspec.structs.replace(
+                        request, version=self.policy_version, max_staleness=self.staleness
+                    )
                 reply = await self.request(self.trainer, request, timeout=self.train_timeout)
                 restart = getattr(reply, "restart", None)
                 if restart is not None:
@@ -537,7 +624,11 @@ class Driver(Actor):
         )
 
     async def _submit(self, batch: _Batch) -> None:
-        """Start the rollout function on every task of the batch."""
+        """Start the rollout function on every task of the batch (a training batch, with
+        ``steps_by_hand``, once the step is allowed)."""
+        training = batch.source is self.source
+        if training and self._permits is not None:
+            await self._permits.acquire()
         batch.version = self.policy_version
         tasks = batch.source.tasks(batch.step)
         batch.tasks = batch.open_rollouts = len(tasks)
@@ -545,6 +636,8 @@ class Driver(Actor):
         batch.submitted = True
         for task in tasks:
             self.spawn(self._rollout(batch, task), name=f"rollout-{task.seq_id}")
+        if training and self._inbox:
+            self._take_inbox(batch)
         batch.settle()  # a step without tasks is done
 
     def _report(
@@ -575,6 +668,7 @@ class Driver(Actor):
             rollout_by_replica=dict(sorted(batch.rollout_by.items())),
             reward_by_replica=dict(sorted(batch.reward_by.items())),
             rejected=batch.rejected,
+            submitted=batch.submitted_trajectories,
             train=train,
             eval=evaluation,
             duplicates=batch.duplicates,

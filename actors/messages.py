@@ -16,7 +16,7 @@ import msgspec
 from pivot.bus import Message
 from pivot.engines.protocol import FinishReason, SamplingParams
 from pivot.engines.sim_engine import Placeholders
-from pivot.trajectory import Chunk
+from pivot.trajectory import Chunk, Generation, Trajectory
 
 PROTOCOL_VERSION = 1
 
@@ -96,6 +96,18 @@ class SchedulerStatus(RLMessage, kw_only=True):
     queued: int
     running: int
     completed: int
+    # completions dropped: their ``reply_to`` did not answer within the delivery budget
+    undeliverable: int = 0
+    # dispatches of a session with a remembered replica: landed on it / elsewhere
+    session_hits: int = 0
+    session_misses: int = 0
+
+
+class EndSession(RLMessage, kw_only=True):
+    """A multi-turn session is over: the scheduler forgets which replica served it (Ack count:
+    1 when it knew one)."""
+
+    session: str
 
 
 # -- scheduler <-> agent
@@ -161,3 +173,28 @@ class ReplicaLoad(RLMessage, kw_only=True):
     itl_s: float
     generated_tokens: int
     seq_tokens: dict[int, int] = {}
+
+
+# -- a process attached to the job <-> driver
+
+
+class GenerateRequest(RLMessage, kw_only=True):
+    """``ctx.generate`` from a process attached to the job (``pivot.cli.jobs.attach``): one
+    sequence through the job's rollout scheduler, answered once it completed (a shift in
+    between only delays the answer)."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    session: str = ""
+
+
+class GenerateReply(RLMessage, kw_only=True):
+    generation: Generation
+
+
+class SubmitTrajectories(RLMessage, kw_only=True):
+    """Scored trajectories for the job's training, from a process attached to it or a
+    library user: each inner list is one prompt group (advantages are normalised in it).
+    They join the step now rolling out (or the next one) and train with it."""
+
+    groups: list[list[Trajectory]]

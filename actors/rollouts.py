@@ -6,6 +6,8 @@ schedulers and their ``Completed`` deliveries back into results. Calls made in o
 event loop travel in one ``SubmitSequences`` per scheduler, so a step's thousands of
 single-turn rollouts cost as few messages as one batch did. A sequence aborted by a shift is
 requeued and resumed by its scheduler (``pivot.actors.scheduler``); its call just returns later.
+Only the end of the run reaches a call: a scheduler that cannot be reached for a minute stops
+the job (the Driver crashes naming it), it does not raise into the rollout.
 
 ``DriverContext`` is ``pivot.rollout.RolloutContext`` over ``Calls``: one per rollout, with its
 own session, its own sequence ids past the task's first, and seeds derived from the task's so
@@ -15,23 +17,23 @@ that every call of a rollout is reproducible.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import msgspec
-
-from pivot.actors.messages import Completion, SubmitSequences, Work
-from pivot.bus import Actor
-from pivot.engines.protocol import SamplingParams
+from pivot.actors.messages import Completion, EndSession, SubmitSequences, Work
+from pivot.bus import Actor, BusError, RequestTimeout, Unreachable
 from pivot.engines.sim_engine import Placeholders
-from pivot.rollout import Task
+from pivot.retry import RetryBudget
+from pivot.rollout import Task, sampling_with
 from pivot.trajectory import Chunk, Generation, Trajectory
 
 # sequence ids past a task's first (later turns, extra segments, a rollout's own judgments):
 # above the training (0..) and evaluation (1 << 40) ranges
 EXTRA_IDS = 1 << 48
 _SEED_MASK = (1 << 62) - 1
+SUBMITS = RetryBudget(attempts=8)  # 0.5 .. 8 s apart: a minute for a scheduler to come back
 
 
 class Calls:
@@ -73,18 +75,36 @@ class Calls:
             self._waiting.pop(key, None)
 
     async def _submit(self, role: str, scheduler: str) -> None:
+        """Hand the pending sequences to the scheduler, retried within ``SUBMITS``: a
+        scheduler that is slow or restarting is not the rollout's business. Spent, the
+        Driver crashes with one error naming the scheduler (the job stops)."""
         works = self._pending.pop(role, [])
-        if not works:
-            return
-        try:
+        failures = 0
+        while works:
+            try:
+                await self.actor.request(
+                    scheduler, SubmitSequences(sequences=works), timeout=self.request_timeout
+                )
+                return
+            except (RequestTimeout, Unreachable) as exc:
+                failures += 1
+                if SUBMITS.spent(failures):
+                    what = f"submitting {len(works)} sequences to {scheduler!r}"
+                    raise SUBMITS.exhausted(what, exc) from None
+                await self.actor.clock.sleep(SUBMITS.backoff(failures))
+
+    def end_session(self, session: str) -> None:
+        """Tell the rollout scheduler the session is over (best effort: a hint is all the
+        scheduler keeps of it, and it forgets the oldest by itself)."""
+        scheduler = self.schedulers.get("rollout")
+        if scheduler is not None:
+            self.actor.spawn(self._end(scheduler, session), name="end-session")
+
+    async def _end(self, scheduler: str, session: str) -> None:
+        with contextlib.suppress(BusError):
             await self.actor.request(
-                scheduler, SubmitSequences(sequences=works), timeout=self.request_timeout
+                scheduler, EndSession(session=session), timeout=self.request_timeout
             )
-        except Exception as exc:
-            for work in works:
-                waiting = self._waiting.get((role, work.seq_id))
-                if waiting is not None and not waiting[1].done():
-                    waiting[1].set_exception(exc)
 
     def deliver(self, role: str, completions: Sequence[Completion]) -> list[Completion]:
         """Hand completions to their calls; returns those no call awaits (late or twice)."""
@@ -135,8 +155,10 @@ class DriverContext:
         self._gateway = gateway
         # .issued(seq_id) before a call, .completed(role, completion) after (the Driver's)
         self._account = account
-        self._calls_made = 0
+        # the sequence of each generate call, in call order (the test kit strikes a call by it)
+        self.seq_ids: list[int] = []
         self.session = f"rollout-{task.seq_id}"
+        self._sessions: dict[str, int] = {}  # calls per session its calls named, until ended
         self._base_url: str | None = None
 
     @property
@@ -183,22 +205,18 @@ class DriverContext:
         seed: int | None = None,
         session: str | None = None,
     ) -> Generation:
-        n, self._calls_made = self._calls_made, self._calls_made + 1
+        n = len(self.seq_ids)
         base = self.task.sampling
         if seed is None and base.seed is not None:
             seed = base.seed if n == 0 else (base.seed * 1_000_003 + n) & _SEED_MASK
-        changes = {
-            k: v
-            for k, v in (
-                ("max_new_tokens", max_new_tokens),
-                ("temperature", temperature),
-                ("top_p", top_p),
-                ("seed", seed),
-                ("stop_token_ids", tuple(stop_token_ids) if stop_token_ids is not None else None),
-            )
-            if v is not None
-        }
-        sampling: SamplingParams = msgspec.structs.replace(base, **changes) if changes else base
+        sampling = sampling_with(
+            base,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            stop_token_ids=stop_token_ids,
+        )
         prompt_ids = self._prompt_ids(prompt)
         work = Work(
             seq_id=self.task.seq_id if n == 0 else self._calls.new_id(),
@@ -207,8 +225,10 @@ class DriverContext:
             policy_version=self._policy_version(),
             session=self.session if session is None else session,
         )
+        self.seq_ids.append(work.seq_id)
         if self._account is not None:
             self._account.issued(work.seq_id)
+        self._sessions[work.session] = self._sessions.get(work.session, 0) + 1
         completion = await self._calls.call("rollout", work)
         if self._account is not None:
             self._account.completed("rollout", completion)
@@ -222,4 +242,14 @@ class DriverContext:
         return await self._judge(self.task, response)
 
     def end_session(self, session: str | None = None) -> None:
-        return None  # the scheduler's affinity table ends sessions (when it keeps one)
+        session = self.session if session is None else session
+        if self._sessions.pop(session, 0):
+            self._calls.end_session(session)
+
+    def finish(self) -> None:
+        """The rollout returned: end the sessions that served more than one turn. (A
+        single-turn rollout's is left to the scheduler's own eviction: telling it would cost
+        a message per sequence for a hint nobody follows.)"""
+        for session, turns in list(self._sessions.items()):
+            if turns > 1:
+                self.end_session(session)

@@ -26,9 +26,20 @@ removal took it back, or the agent retried a report whose reply it did not get.
 
 ``RemoveReplica`` and ``MigrateSequences`` wait on agents, so they run outside the request
 slots (``pivot.bus.actor``): however many removals wait on evacuations, the agents' reports
-still find a slot. A delivery downstream that fails is retried within ``delivery_retries``,
-then the scheduler crashes with one error naming it; a replica whose Assigns fail
-``assign_retries`` times in a row is cut from routing, with an error logged.
+still find a slot. A replica whose Assigns fail ``assign_retries`` times in a row is cut from
+routing, with an error logged.
+
+Where a completion goes is fixed by its sequence's ``Work``: to its ``reply_to`` (a user's
+process that generates through the job) or, when that is empty, to ``downstream``. Each
+destination is retried within ``delivery_retries`` on its own. A failure downstream is the
+job's: once the budget is spent the scheduler crashes with one error naming it. A
+``reply_to`` is delivered by a task of its own, so one that went away or hangs holds up no
+other destination; once its budget is spent its completions are dropped with one error line
+and counted (``SchedulerStatus.undeliverable``).
+
+A ``Work.session`` is a routing hint (``RoleScheduler``): the replica that finished the
+session's last sequence holds its prefix. ``EndSession`` forgets it; the status counts the
+session's dispatches that landed there and elsewhere.
 """
 
 from __future__ import annotations
@@ -37,7 +48,6 @@ import asyncio
 from collections import defaultdict
 
 import msgspec
-import numpy as np
 
 from pivot.actors.messages import (
     Abort,
@@ -47,6 +57,7 @@ from pivot.actors.messages import (
     Assign,
     Completed,
     Completion,
+    EndSession,
     Finished,
     Partial,
     QueryStatus,
@@ -77,37 +88,6 @@ from pivot.planning.routing import RoleScheduler, Router
 from pivot.retry import RetryBudget
 
 
-class _CutRouter:
-    """The role's router, with cut replicas looking full (at the router's cap) so that no
-    rule admits a sequence to them."""
-
-    def __init__(self, router: Router) -> None:
-        self.router = router
-        self.mask: np.ndarray | None = None  # per replica (sorted ids): cut
-
-    @property
-    def settings(self):  # noqa: ANN201 - the wrapped router's RouterSettings
-        return self.router.settings
-
-    @property
-    def model(self):  # noqa: ANN201 - the wrapped router's CostModel
-        return self.router.model
-
-    def _masked(self, running: np.ndarray) -> np.ndarray:
-        mask = self.mask
-        if mask is None or mask.shape != running.shape:
-            return running
-        return np.where(mask, self.router.settings.max_concurrent_per_replica, running)
-
-    def choose(self, running: np.ndarray, tokens: np.ndarray, seq_tokens: float) -> int:
-        return self.router.choose(self._masked(running), tokens, seq_tokens)
-
-    def slot_scores(
-        self, running: np.ndarray, tokens: np.ndarray, k_max: int, mean_tokens: float
-    ) -> np.ndarray:
-        return self.router.slot_scores(self._masked(running), tokens, k_max, mean_tokens)
-
-
 class MigrationTiming(msgspec.Struct, frozen=True, kw_only=True):
     """One migrated sequence, the seed's Table 3 columns: ``abort_s`` to take it off its
     replica with its partial output (the whole evacuation or abort request), ``dispatch_s``
@@ -122,7 +102,8 @@ class MigrationTiming(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Scheduler(Actor):
-    """The shared queue of ``role``; finished sequences go to ``downstream``."""
+    """The shared queue of ``role``; finished sequences go to their Work's ``reply_to``, or
+    to ``downstream`` when it has none."""
 
     def __init__(
         self,
@@ -144,13 +125,12 @@ class Scheduler(Actor):
         self.request_timeout = request_timeout
         self.controller = controller
         self.delivery_retries = delivery_retries or RetryBudget()
-        self._delivery_failures = 0  # consecutive
+        self._delivery_failures = 0  # consecutive, downstream's
         # consecutive failed Assigns per replica: when spent, the replica is cut from routing
         self.assign_retries = assign_retries or RetryBudget()
         self._assign_failures: defaultdict[str, int] = defaultdict(int)
         self.stale_reports = 0  # with a sequence no longer running on the replica it names
-        self._router = _CutRouter(router)
-        self.core = RoleScheduler(role, self._router, ledger or SequenceLedger())
+        self.core = RoleScheduler(role, router, ledger or SequenceLedger())
         self._rows: dict[str, ReplicaRunning] = {}  # QueryLoad's row per replica, as last built
         self._work: dict[int, Work] = {}
         self._agents: dict[str, str] = {}  # replica -> agent actor
@@ -165,7 +145,10 @@ class Scheduler(Actor):
         # registration under the same id) must not reach the new one
         self._incarnations: dict[str, int] = {}
         self._added = 0
-        self._undelivered: list[Completion] = []
+        # destination -> completions not delivered yet, in order
+        self._outbox: dict[str, list[Completion]] = {}
+        self._couriers: dict[str, asyncio.Task[None]] = {}  # reply_to -> its delivery task
+        self.undeliverable = 0  # completions dropped: their reply_to did not answer
         self._kick = asyncio.Event()
         self.completed = 0
         # migrated sequences: seq -> (abort_s, requeued at, tokens) until a replica accepts
@@ -184,11 +167,7 @@ class Scheduler(Actor):
 
     def _update_cut(self) -> None:
         self._cut &= set(self._agents)
-        skipped = self._cut.union(self._suspect)
-        if skipped:
-            self._router.mask = np.array([r in skipped for r in self.core.replicas])
-        else:
-            self._router.mask = None
+        self.core.set_unroutable(self._cut.union(self._suspect))
 
     @handles
     def register(self, msg: RegisterReplica) -> Ack:
@@ -292,8 +271,9 @@ class Scheduler(Actor):
         )
 
     def _keep_partials(self, partials: list[Partial], running: set[int]) -> dict[int, int]:
-        """Store each aborted sequence's partial output in its Work: the next replica
-        re-prefills prompt + partial. Returns the generated token count per sequence."""
+        """Store each aborted sequence's partial output in its Work (tokens, logprobs and
+        the policy versions that sampled them): the next replica re-prefills prompt + partial.
+        Returns the generated token count per sequence."""
         generated: dict[int, int] = {}
         for partial in partials:
             if partial.seq_id not in running:
@@ -304,6 +284,7 @@ class Scheduler(Actor):
                 work,
                 generated_ids=copy_ids(partial.token_ids),
                 generated_logprobs=list(partial.logprobs),
+                generated_chunks=list(partial.chunks),
             )
             generated[partial.seq_id] = len(partial.token_ids)
         return generated
@@ -389,10 +370,18 @@ class Scheduler(Actor):
 
     @handles
     def submit(self, msg: SubmitSequences) -> Accepted:
-        duplicates = [w.seq_id for w in msg.sequences if w.seq_id in self._work]
-        if duplicates:
-            raise ValueError(f"sequences already submitted: {duplicates[:10]}")
+        # a resent submission (its first reply was lost) is taken once; another sequence
+        # under a known id is a caller's bug
+        clashes = [
+            w.seq_id
+            for w in msg.sequences
+            if w.seq_id in self._work and self._work[w.seq_id].prompt_ids != w.prompt_ids
+        ]
+        if clashes:
+            raise ValueError(f"other sequences already submitted under ids {clashes[:10]}")
         for work in msg.sequences:
+            if work.seq_id in self._work:
+                continue
             self._work[work.seq_id] = work
             self.core.submit(
                 Sequence(
@@ -400,10 +389,15 @@ class Scheduler(Actor):
                     prompt_tokens=len(work.prompt_ids),
                     generated_tokens=len(work.generated_ids),
                     policy_version=work.policy_version,
+                    session=work.session,
                 )
             )
         self._kick.set()
         return Accepted(count=len(msg.sequences))
+
+    @handles
+    def end_session(self, msg: EndSession) -> Ack:
+        return Ack(count=int(self.core.end_session(msg.session)))
 
     @handles
     def finished(self, msg: Finished) -> Ack:
@@ -435,8 +429,9 @@ class Scheduler(Actor):
     def _complete(self, replica: str, completions: list[Completion]) -> None:
         for completion in completions:
             self.core.complete(replica, completion.seq_id, len(completion.token_ids))
-            self._work.pop(completion.seq_id, None)
-            self._undelivered.append(completion)
+            work = self._work.pop(completion.seq_id, None)
+            to = (work.reply_to if work is not None else "") or self.downstream
+            self._outbox.setdefault(to, []).append(completion)
             if (moved := self._dispatched.pop(completion.seq_id, None)) is not None:
                 abort_s, dispatch_s, tokens = moved
                 self.migrations.append(
@@ -459,14 +454,28 @@ class Scheduler(Actor):
             queued=len(self.core.queue),
             running=int(running.sum()),
             completed=self.completed,
+            undeliverable=self.undeliverable,
+            session_hits=self.core.session_hits,
+            session_misses=self.core.session_misses,
         )
+
+    async def on_stop(self) -> None:
+        core = self.core
+        if core.session_hits or core.session_misses or self.undeliverable:
+            self.log.info(
+                "sessions and replies",
+                session_hits=core.session_hits,
+                session_misses=core.session_misses,
+                sessions=core.sessions,
+                undeliverable=self.undeliverable,
+            )
 
     async def run(self) -> None:
         while True:
             await self._kick.wait()
             self._kick.clear()
             await self._dispatch()
-            if self._undelivered:
+            if self._outbox:
                 await self._deliver()
 
     async def _dispatch(self) -> None:
@@ -586,15 +595,18 @@ class Scheduler(Actor):
                         self._dispatched[w.seq_id] = (abort_s, now - requeued_at, tokens)
 
     async def _deliver(self) -> None:
-        batch, self._undelivered = self._undelivered, []
+        """Downstream's completions here, in the loop; each reply_to's by its courier."""
+        outbox = self._outbox
+        for to in outbox:
+            if to != self.downstream and to not in self._couriers:
+                self._couriers[to] = self.spawn(self._courier(to), name=f"deliver:{to}")
+        batch = outbox.pop(self.downstream, None)
+        if batch is None:
+            return
         try:
-            await self.request(
-                self.downstream,
-                Completed(role=self.role.value, completions=batch),
-                timeout=self.request_timeout,
-            )
+            await self._send_completed(self.downstream, batch)
         except BusError as exc:
-            self._undelivered[:0] = batch
+            outbox[self.downstream] = batch + outbox.get(self.downstream, [])
             self._delivery_failures += 1
             budget = self.delivery_retries
             if budget.spent(self._delivery_failures):
@@ -605,6 +617,45 @@ class Scheduler(Actor):
             self._kick.set()
             return
         self._delivery_failures = 0
+
+    async def _courier(self, to: str) -> None:
+        """Deliver what ``to`` is owed until nothing is left. A reply_to is a user's actor,
+        not the job's: once its budget is spent, what it is owed is dropped, not fatal."""
+        budget, failures = self.delivery_retries, 0
+        try:
+            while (batch := self._outbox.pop(to, None)) is not None:
+                try:
+                    await self._send_completed(to, batch)
+                except BusError as exc:
+                    batch += self._outbox.pop(to, [])
+                    failures += 1
+                    if budget.spent(failures):
+                        self.undeliverable += len(batch)
+                        self.log.error(
+                            "completions dropped: their reply_to does not answer",
+                            destination=to,
+                            sequences=len(batch),
+                            attempts=failures,
+                            error=repr(exc),
+                        )
+                        return
+                    self._outbox[to] = batch
+                    self.log.warning(
+                        "delivery failed, will retry",
+                        destination=to,
+                        error=repr(exc),
+                        pending=len(batch),
+                    )
+                    await self.clock.sleep(budget.backoff(failures))
+                else:
+                    failures = 0
+        finally:
+            self._couriers.pop(to, None)
+
+    async def _send_completed(self, to: str, batch: list[Completion]) -> None:
+        await self.request(
+            to, Completed(role=self.role.value, completions=batch), timeout=self.request_timeout
+        )
 
     def outstanding(self) -> int:
         return len(self._work)

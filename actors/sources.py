@@ -376,25 +376,12 @@ class PromptSource:
                     logprobs=s.trajectory.logprobs,
                     reward=s.score,
                     group=s.group,
-                    **_masks(s.trajectory),
+                    loss_mask=s.trajectory.loss_mask if 0 in s.trajectory.loss_mask else [],
+                    versions=s.trajectory.versions,
                 )
                 for s in trainable
             ],
         )
-
-
-def _masks(trajectory: Trajectory) -> dict:
-    """The trajectory's loss mask and versions where the trainer takes them (a sample of the
-    trainer that predates them trains every response token)."""
-    from pivot.training import RolloutSample
-
-    fields = RolloutSample.__struct_fields__
-    out = {}
-    if "loss_mask" in fields and 0 in trajectory.loss_mask:
-        out["loss_mask"] = trajectory.loss_mask
-    if "versions" in fields:
-        out["versions"] = trajectory.versions
-    return out
 
 
 def task_source(

@@ -8,6 +8,10 @@ Ray: what tests and users checking their own deployment both need.
   agent; every device one role, the agents agreeing with the Controller's allocation and the
   schedulers routing to exactly its replicas; the trainer holding its pool exactly when the
   allocation gives it the pool.
+* Test doubles for users' rollout functions (``pivot.actors.rollout_testing``): ``FakeLLM``
+  and ``FakeJudge`` with scripted outputs, ``Abort`` and ``VersionBump`` scripted mid-call,
+  ``run_rollout`` / ``run_rollouts`` (the function on the real Driver, schedulers and agents
+  on a local cluster) and ``FakeContext`` (the same doubles in memory, no actors).
 * ``FaultPlan``: crash the Controller right before its n-th journal record (a new one starts
   on the same journal after ``restart_after_s``); crash any in-process actor at a given time
   (``ActorCrash``); drop or delay requests by type and destination (``MessageFault``, on the
@@ -44,6 +48,20 @@ from pivot.actors.assembly import (
 from pivot.actors.driver import StepReport
 from pivot.actors.faults import JournalTrap
 from pivot.actors.journal import Journal
+from pivot.actors.rollout_testing import (
+    Abort,
+    FakeContext,
+    FakeJudge,
+    FakeLLM,
+    Judgment,
+    RolloutResult,
+    ScriptError,
+    Struck,
+    VersionBump,
+    make_task,
+    run_rollout,
+    run_rollouts,
+)
 from pivot.actors.sources import Source
 from pivot.bus import Bus, LocalTransport, RequestTimeout, RestartPolicy, Supervisor
 from pivot.bus.supervisor import ActorFactory
@@ -57,6 +75,18 @@ from pivot.planning.routing import check_ownership
 from pivot.planning.snapshot import ClusterSnapshot
 
 __all__ = [
+    "Abort",
+    "FakeContext",
+    "FakeJudge",
+    "FakeLLM",
+    "Judgment",
+    "RolloutResult",
+    "ScriptError",
+    "Struck",
+    "VersionBump",
+    "make_task",
+    "run_rollout",
+    "run_rollouts",
     "ActorCrash",
     "ConformanceError",
     "EngineFactory",

@@ -401,6 +401,8 @@ class DeepSpeedTrainer:
             ratio_mean=sums.mean("ratio"),
             kl=sums.mean("kl"),
             seconds=self.clock() - started,
+            stale_tokens=batch.stale_tokens,
+            masked_tokens=batch.masked_tokens,
         )
 
     def _reference_logprobs(self, micro: GRPOBatch) -> torch.Tensor | None:
@@ -712,6 +714,8 @@ class DeepSpeedBackend:
             advantage_eps=engine.settings.advantage_eps,
             vocab_size=engine.config.vocab_size,
             max_len=engine.config.max_position_embeddings,
+            version=engine.version,  # the trainer checked it is the batch's, when it names one
+            max_staleness=msg.max_staleness,
         )
         publish = self.group.store is not None
         return RankCommand("train", batch, publish=publish, checkpoint=msg.checkpoint)

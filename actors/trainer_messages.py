@@ -21,13 +21,17 @@ TrainerStateName = Literal["idle", "training", "offloaded"]
 class TrainBatch(RLMessage, kw_only=True):
     """Driver -> trainer: run one GRPO step on these scored completions. ``step``: the
     driver's step number, for logs and the reply. ``version``: the policy version the step
-    trains from; a trainer at another refuses it (None: any)."""
+    trains from; a trainer at another refuses it (None: any). ``max_staleness``: the bound of
+    ``pivot.grpo``'s staleness rule, in policy versions (the Driver's ``staleness``): tokens
+    sampled by a policy older than the trainer's version minus it are masked out of the loss
+    and counted in ``TrainStats.stale_tokens`` (None: no bound)."""
 
     samples: list[RolloutSample]
     step: int = -1
     # after the step, save a checkpoint into this folder (DeepSpeedTrainer.save); "": none
     checkpoint: str = ""
     version: int | None = None
+    max_staleness: int | None = None
 
 
 class TrainerRestart(msgspec.Struct, frozen=True, kw_only=True):

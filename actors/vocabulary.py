@@ -28,6 +28,7 @@ MESSAGES: tuple[type[RLMessage], ...] = (
     rl.Completed,
     rl.QueryStatus,
     rl.SchedulerStatus,
+    rl.EndSession,
     rl.RegisterReplica,
     rl.Assign,
     rl.Finished,
@@ -35,6 +36,10 @@ MESSAGES: tuple[type[RLMessage], ...] = (
     rl.Aborted,
     rl.Ack,
     rl.ReplicaLoad,
+    # a process attached to the job
+    rl.GenerateRequest,
+    rl.GenerateReply,
+    rl.SubmitTrajectories,
     # the Controller's shifts
     shift.CutRouting,
     shift.RestoreRouting,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import sys
@@ -140,8 +141,12 @@ class Job:
         view: LiveView | None = None,
         tracker: Tracker | NoTracker | None = None,
         resume: Checkpoint | None = None,
+        steps_by_hand: bool = False,
     ) -> None:
         self.job = job
+        self.steps_by_hand = steps_by_hand
+        self.started = asyncio.Event()  # the actors run (``assembly`` is set)
+        self._stop = asyncio.Event()
         self.policy = policy
         self.genrm = genrm
         self.inputs = inputs
@@ -203,6 +208,10 @@ class Job:
             ),
             controller=self.controller,
         )
+
+    def stop(self) -> None:
+        """End the job now (its steps so far stay as they are): ``run`` stops every actor."""
+        self._stop.set()
 
     def _names(self) -> list[str]:
         d = self.deployment
@@ -318,6 +327,7 @@ class Job:
                 stall_timeout=job.control.stall_timeout_s,
                 rollout=self.inputs.rollout,
                 gateway=gateway,
+                steps_by_hand=self.steps_by_hand,
                 first_step=self.resume.state.next_step if self.resume else 0,
                 policy_version=self.resume.state.policy_version if self.resume else 0,
             ),
@@ -334,14 +344,21 @@ class Job:
                 if sup.signalled is not None:  # children stopped by the signal mid-start
                     raise Interrupted(sup.signalled) from None
                 raise
+            write_job_file(run_dir, self.sockets, self._names(), "running")
+            self.started.set()
             done = asyncio.ensure_future(driver.finished.wait())
             failed = asyncio.ensure_future(sup.wait())
-            await asyncio.wait([done, failed], return_when=asyncio.FIRST_COMPLETED)
+            stopped = asyncio.ensure_future(self._stop.wait())
+            await asyncio.wait([done, failed, stopped], return_when=asyncio.FIRST_COMPLETED)
             if failed.done():
+                write_job_file(run_dir, self.sockets, self._names(), "failed")
                 failed.result()  # raises the escalation
                 if sup.signalled is not None:
                     raise Interrupted(sup.signalled)
             failed.cancel()
+            stopped.cancel()
+            state = "finished" if done.done() else "stopped"
+            write_job_file(run_dir, self.sockets, self._names(), state)
         finally:
             await sup.stop()
             remove_store(self.backend.store)  # the job's: it outlived every trainer rank
@@ -407,6 +424,24 @@ class Job:
                 id_base=EVAL_IDS,
             )
         return source, evaluation
+
+
+JOB_FILE = "job.json"
+
+
+def write_job_file(run_dir: Path, sockets: Path, names: Sequence[str], state: str) -> None:
+    """``RUN/job.json``: how to reach the running job (its bus's ipc folder and actor names)
+    and its state, for tools and processes that attach to it (``pivot.cli.jobs.attach``)."""
+    info = {
+        "pid": os.getpid(),
+        "state": state,
+        "sockets": str(sockets),
+        "names": list(names),
+        "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    partial = run_dir / f".{JOB_FILE}.partial"
+    partial.write_text(json.dumps(info, indent=1) + "\n")
+    partial.replace(run_dir / JOB_FILE)
 
 
 def write_plot(runner: Job | None, run_dir: Path, kind: str) -> Path | None:

@@ -15,6 +15,17 @@ divided by the data-parallel world size when ranks average their gradients), so 
 gradients added up over micro-batches (and averaged over ranks) are the gradient of the
 whole batch's token mean, however the rows were split.
 
+Which response tokens train (``build_batch``). A token whose loss mask is 0 (a tool's or the
+environment's, in a multi-turn trajectory) is read by the model but never trained on: it is
+out of the loss and its logprob is ignored. The staleness rule: a token sampled by a policy
+older than ``version - max_staleness`` (``version``: the policy the step trains from) is masked
+out of the loss too, and counted (``TrainStats.stale_tokens``). That is a guard, not a filter:
+the Driver admits a rollout only while its policy is within the bound, so a healthy run masks
+none. Every other token trains with the PPO ratio against the behaviour logprob it was
+sampled with, whichever policy sampled it: that ratio is the importance correction for a
+token of an older policy, and the clip bounds it. A sample whose tokens are all masked
+trains nothing (its reward still counts in its group's advantages).
+
 Pure and synchronous: torch tensors in, tensors out, no clock (a backend measures its own
 time), no processes.
 """
@@ -185,9 +196,11 @@ class GRPOBatch:
 
     Rows are prompt + response, right-padded with ``pad_id``. Column t of the [B, T - 1]
     tensors is about the token at t + 1 (the one position t predicts): ``response_mask`` is
-    1 where that token is a response token, ``old_logprobs`` holds its behaviour logprob
-    (0 elsewhere). ``advantages`` is per sequence. Right padding needs no attention mask:
-    under causal attention no real token sees a pad, and pads are masked out of the loss.
+    1 where that token is a response token the loss trains on, ``old_logprobs`` holds its
+    behaviour logprob (0 elsewhere). ``advantages`` is per sequence, and so are ``masked``
+    and ``stale``: the response tokens left out of the loss for their loss mask and for the
+    staleness rule. Right padding needs no attention mask: under causal attention no real
+    token sees a pad, and pads are masked out of the loss.
     """
 
     input_ids: torch.Tensor  # [B, T] int64
@@ -196,6 +209,8 @@ class GRPOBatch:
     advantages: torch.Tensor  # [B] float32
     rewards: torch.Tensor  # [B] float32
     groups: torch.Tensor  # [B] int64
+    masked: torch.Tensor  # [B] int64
+    stale: torch.Tensor  # [B] int64
     pad_id: int = 0
 
     @property
@@ -204,8 +219,16 @@ class GRPOBatch:
 
     @property
     def tokens(self) -> int:
-        """Response tokens: what the loss averages over."""
+        """Response tokens the loss trains on: what it averages over."""
         return int(self.response_mask.sum().item())
+
+    @property
+    def masked_tokens(self) -> int:
+        return int(self.masked.sum().item())
+
+    @property
+    def stale_tokens(self) -> int:
+        return int(self.stale.sum().item())
 
     def rows(self, index: torch.Tensor | Sequence[int] | slice) -> GRPOBatch:
         """The batch of the given rows, trimmed to the longest of them."""
@@ -224,6 +247,8 @@ class GRPOBatch:
             advantages=self.advantages[index],
             rewards=self.rewards[index],
             groups=self.groups[index],
+            masked=self.masked[index],
+            stale=self.stale[index],
             pad_id=self.pad_id,
         )
 
@@ -238,6 +263,8 @@ class GRPOBatch:
             advantages=self.advantages.to(device),
             rewards=self.rewards.to(device),
             groups=self.groups.to(device),
+            masked=self.masked.to(device),
+            stale=self.stale.to(device),
             pad_id=self.pad_id,
         )
 
@@ -258,6 +285,8 @@ class GRPOBatch:
             advantages=torch.cat([self.advantages, torch.zeros(extra)]),
             rewards=torch.cat([self.rewards, torch.zeros(extra)]),
             groups=torch.cat([self.groups, torch.full((extra,), -1, dtype=torch.long)]),
+            masked=torch.cat([self.masked, torch.zeros(extra, dtype=torch.long)]),
+            stale=torch.cat([self.stale, torch.zeros(extra, dtype=torch.long)]),
             pad_id=self.pad_id,
         )
 
@@ -283,28 +312,55 @@ def build_batch(
     advantage_eps: float = 1e-6,
     vocab_size: int | None = None,
     max_len: int | None = None,
+    version: int = 0,
+    max_staleness: int | None = None,
 ) -> GRPOBatch:
-    """Pad scored completions into a ``GRPOBatch`` with group-normalised advantages.
+    """Pad scored completions into a ``GRPOBatch`` with group-normalised advantages; the
+    tokens each sample's loss mask excludes, and with ``max_staleness`` those sampled by a
+    policy older than ``version - max_staleness`` (``version``: the policy the step trains
+    from), are out of the loss (the module docstring states the rule).
 
     Raises ``BatchError`` naming the first bad sample: an empty prompt or response,
-    logprobs not one per response token, a non-finite reward or logprob, a token id outside
-    the vocabulary, or a sequence longer than ``max_len``.
+    logprobs, loss mask or versions not one per response token, a loss mask other than
+    0 / 1, a trained token without a version, a non-finite reward or a trained token's
+    logprob not finite and <= 0, a token id outside the vocabulary, or a sequence longer
+    than ``max_len``.
     """
     if not samples:
         raise BatchError("no samples: a training batch needs at least one")
+    if max_staleness is not None and max_staleness < 0:
+        raise BatchError(f"max_staleness must be >= 0, got {max_staleness}")
     for i, s in enumerate(samples):
         _check_sample(i, s, vocab_size, max_len)
+    oldest = version - max_staleness if max_staleness is not None else None
     width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     n = len(samples)
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)
     response_mask = torch.zeros(n, width - 1)
     old_logprobs = torch.zeros(n, width - 1)
+    masked = torch.zeros(n, dtype=torch.long)
+    stale = torch.zeros(n, dtype=torch.long)
     for i, s in enumerate(samples):
         p, r = len(s.prompt_ids), len(s.response_ids)
         input_ids[i, : p + r] = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long)
         # column t predicts token t + 1: response tokens p .. p + r - 1 sit in columns p - 1 ..
-        response_mask[i, p - 1 : p - 1 + r] = 1.0
-        old_logprobs[i, p - 1 : p - 1 + r] = torch.tensor(s.logprobs, dtype=torch.float32)
+        columns = slice(p - 1, p - 1 + r)
+        logprobs = torch.tensor(s.logprobs, dtype=torch.float32)
+        if not s.loss_mask and (oldest is None or not s.versions):
+            response_mask[i, columns] = 1.0
+            old_logprobs[i, columns] = logprobs
+            continue
+        trained = torch.ones(r, dtype=torch.bool)
+        if s.loss_mask:
+            trained = torch.tensor(s.loss_mask, dtype=torch.bool)
+            masked[i] = r - int(trained.sum())
+        if oldest is not None and s.versions:
+            too_old = trained & (torch.tensor(s.versions, dtype=torch.long) < oldest)
+            stale[i] = int(too_old.sum())
+            trained &= ~too_old
+        response_mask[i, columns] = trained.float()
+        # a left-out token's logprob is ignored: 0, like a pad's, keeps its ratio finite
+        old_logprobs[i, columns] = torch.where(trained, logprobs, 0.0)
     rewards = torch.tensor([float(s.reward) for s in samples], dtype=torch.float32)
     groups = torch.tensor([s.group for s in samples], dtype=torch.long)
     return GRPOBatch(
@@ -314,6 +370,8 @@ def build_batch(
         advantages=group_advantages(rewards, groups, advantage_eps),
         rewards=rewards,
         groups=groups,
+        masked=masked,
+        stale=stale,
         pad_id=pad_id,
     )
 
@@ -324,17 +382,26 @@ def _check_sample(i: int, s: RolloutSample, vocab_size: int | None, max_len: int
 
     if not s.prompt_ids:
         raise bad("empty prompt_ids")
-    if not s.response_ids:
+    r = len(s.response_ids)
+    if not r:
         raise bad("empty response_ids (nothing to train on)")
-    if len(s.logprobs) != len(s.response_ids):
+    if len(s.logprobs) != r:
         raise bad(
-            f"{len(s.logprobs)} logprobs for {len(s.response_ids)} response tokens "
+            f"{len(s.logprobs)} logprobs for {r} response tokens "
             "(need one behaviour logprob per response token)"
         )
+    for name, per_token in (("loss_mask", s.loss_mask), ("versions", s.versions)):
+        if per_token and len(per_token) != r:
+            raise bad(f"{name} has {len(per_token)} entries for {r} response tokens (or none)")
+    if any(m not in (0, 1) for m in s.loss_mask):
+        raise bad("loss_mask holds values other than 0 and 1")
+    mask = s.loss_mask or [1] * r
+    if s.versions and any(v < 0 for v, m in zip(s.versions, mask, strict=True) if m):
+        raise bad("a trained token (loss mask 1) has no policy version (< 0)")
     if not math.isfinite(s.reward):
         raise bad(f"reward is {s.reward}")
-    if not all(math.isfinite(x) and x <= 0.0 for x in s.logprobs):
-        raise bad("logprobs must be finite and <= 0")
+    if not all(math.isfinite(x) and x <= 0.0 for x, m in zip(s.logprobs, mask, strict=True) if m):
+        raise bad("logprobs must be finite and <= 0 where the loss mask is 1")
     if vocab_size is not None:
         ids = s.prompt_ids + s.response_ids
         if min(ids) < 0 or max(ids) >= vocab_size:

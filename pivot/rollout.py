@@ -14,7 +14,8 @@ partial output re-prefilled, and the call returns later), so only the cancellati
 run reaches user code. ``ctx.judge`` scores through the job's reward (a GenRM's replicas move
 too). Named in the config as ``rollout.function = "package.module:name"`` or
 ``"file.py:name"``; the context's implementation is the Driver's
-(``pivot.actors.rollouts``); ``pivot.testing`` ships one over scripted fakes.
+(``pivot.actors.rollouts``); the test kit (``pivot.actors.testing``: ``FakeLLM``,
+``FakeJudge``, ``run_rollout``, ``FakeContext``) runs a rollout function over scripted fakes.
 """
 
 from __future__ import annotations
@@ -95,6 +96,14 @@ class RolloutContext(Protocol):
     def end_session(self, session: str | None = None) -> None:
         """Release the routing hint of ``session`` (default: this rollout's)."""
         ...
+
+
+def sampling_with(base: SamplingParams, **changes: Any) -> SamplingParams:
+    """``base`` with the given parameters that are not None."""
+    given = {k: v for k, v in changes.items() if v is not None}
+    if "stop_token_ids" in given:
+        given["stop_token_ids"] = tuple(given["stop_token_ids"])
+    return msgspec.structs.replace(base, **given) if given else base
 
 
 class RolloutFailed(Exception):

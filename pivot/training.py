@@ -61,11 +61,16 @@ class TrainingSettings(ConfigStruct):
 
 
 class RolloutSample(msgspec.Struct, frozen=True, kw_only=True):
-    """One scored completion as the trainer needs it.
+    """One scored completion (or multi-turn trajectory) as the trainer needs it.
 
     ``logprobs``: the behaviour logprob of each response token, as the rollout engine
     sampled it. ``group``: the prompt group (the n samples of one prompt share it);
-    advantages are normalised within a group.
+    advantages are normalised within a group. ``loss_mask``: per response token, 1 where
+    the policy sampled it and the loss trains on it, 0 for a tool's or the environment's
+    token (its logprob is ignored); empty: every response token trains. ``versions``: per
+    response token, the policy version that sampled it (``pivot.trajectory.NO_VERSION``
+    where masked), for the staleness rule of ``pivot.grpo``; empty: all of them sampled by
+    the policy the step trains from.
     """
 
     prompt_ids: list[int]
@@ -73,6 +78,8 @@ class RolloutSample(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: list[float]
     reward: float
     group: int
+    loss_mask: list[int] = []
+    versions: list[int] = []
 
 
 class TrainStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -82,7 +89,11 @@ class TrainStats(msgspec.Struct, frozen=True, kw_only=True):
     global gradient norm before clipping. ``clip_fraction``: share of response tokens whose
     ratio was clipped (either side, dual clip included). ``ratio_mean``: mean new/behaviour
     probability ratio over response tokens. ``seconds``: wall time of the step as the
-    backend measured it (0.0 without a clock).
+    backend measured it (0.0 without a clock). ``tokens`` counts the response tokens the
+    loss trained on; ``masked_tokens`` those it skipped for their loss mask (tools', the
+    environment's) and ``stale_tokens`` those it skipped for the staleness rule (sampled by a
+    policy older than the bound allows: 0 in a healthy run, the Driver's admission keeps
+    rollouts within it).
     """
 
     version: int
@@ -96,3 +107,5 @@ class TrainStats(msgspec.Struct, frozen=True, kw_only=True):
     ratio_mean: float
     kl: float = 0.0
     seconds: float = 0.0
+    stale_tokens: int = 0
+    masked_tokens: int = 0

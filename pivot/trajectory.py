@@ -34,6 +34,22 @@ class Chunk(msgspec.Struct, frozen=True, array_like=True):
     version: int
 
 
+def add_chunk(chunks: list[Chunk], tokens: int, version: int) -> None:
+    """Append ``tokens`` sampled by ``version`` to run-length ``chunks`` in place: into the
+    last chunk when it has that version (the list stays canonical), nothing for 0 tokens."""
+    if tokens <= 0:
+        return
+    if chunks and chunks[-1].version == version:
+        chunks[-1] = Chunk(chunks[-1].tokens + tokens, version)
+    else:
+        chunks.append(Chunk(tokens, version))
+
+
+def chunk_tokens(chunks: Sequence[Chunk]) -> int:
+    """The tokens run-length ``chunks`` cover."""
+    return sum(c.tokens for c in chunks)
+
+
 def chunk_versions(chunks: Sequence[Chunk]) -> list[int]:
     """One version per token of run-length ``chunks``."""
     out: list[int] = []

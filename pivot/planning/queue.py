@@ -26,6 +26,7 @@ class Sequence(msgspec.Struct, kw_only=True):
     generated_tokens: int = 0
     policy_version: int = 0
     attempts: int = 0  # aborts survived; > 0 means the next dispatch re-prefills
+    session: str = ""  # a multi-turn session's id: routing prefers the replica of its last turn
 
     @property
     def tokens(self) -> int:

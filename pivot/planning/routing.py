@@ -16,7 +16,11 @@ route thousands of sequences with numpy instead of a Python loop per sequence.
 
 ``RoleScheduler`` is the pure core of a Scheduler actor: the queue, the replica table, the
 router, Abort (sequences leave a replica with their partial output and go to the front of
-the queue) and Dispatch (a receiver re-prefills prompt + partial output; counted).
+the queue) and Dispatch (a receiver re-prefills prompt + partial output; counted). It also
+keeps session affinity: the replica that last finished a sequence of a multi-turn session
+holds that session's prefix in its cache, so the session's next sequence goes there when the
+replica is routable and under the router's cap, and is routed as any other when not (a hint,
+never a wait).
 """
 
 from __future__ import annotations
@@ -204,6 +208,11 @@ class Dispatch(msgspec.Struct, frozen=True):
     reprefill: bool  # True when the sequence carries a partial output from an aborted run
 
 
+# sessions remembered per role at most: sessions end (``end_session``), but a user that never
+# says so must not grow the map without bound; the least recently served go first
+MAX_SESSIONS = 100_000
+
+
 class RoleScheduler:
     """The pure core of one role's Scheduler: shared queue, replica table, routing, migration.
 
@@ -211,10 +220,18 @@ class RoleScheduler:
     ``check_ownership`` can prove after any event that nothing was lost or duplicated.
     """
 
-    def __init__(self, role: Role, router: Router, ledger: SequenceLedger) -> None:
+    def __init__(
+        self,
+        role: Role,
+        router: Router,
+        ledger: SequenceLedger,
+        *,
+        max_sessions: int = MAX_SESSIONS,
+    ) -> None:
         self.role = role
         self.router = router
         self.ledger = ledger
+        self.max_sessions = max_sessions
         self.queue = WaitingQueue(role)
         self._owner = Owner.queue(role)
         self._running: dict[str, dict[int, Sequence]] = {}
@@ -225,6 +242,15 @@ class RoleScheduler:
         self.reprefill_tokens = 0
         self.reprefills = 0
         self.aborts = 0
+        # replicas routing skips (cut, suspect): they look full to the router, so it sends
+        # them nothing new while what they run carries on; per replica (sorted ids), or None
+        self._unroutable: frozenset[str] = frozenset()
+        self._closed: np.ndarray | None = None
+        # session -> the replica that last finished one of its sequences, least recent first
+        self._affinity: dict[str, str] = {}
+        # dispatches of a session with a remembered replica: landed there / elsewhere
+        self.session_hits = 0
+        self.session_misses = 0
         # replicas whose running sequences changed (or that came or went) since the owner
         # last cleared this set: a load report rebuilds only their rows
         self.changed: set[str] = set()
@@ -239,6 +265,18 @@ class RoleScheduler:
             [sum(s.tokens for s in self._running[r].values()) for r in self._ids],
             dtype=np.float64,
         )
+        self._remask()
+
+    def _remask(self) -> None:
+        if self._unroutable.isdisjoint(self._pos):
+            self._closed = None
+        else:
+            self._closed = np.array([r in self._unroutable for r in self._ids])
+
+    def set_unroutable(self, replicas: Iterable[str]) -> None:
+        """Route nothing new to these replicas (cut or suspect) until set again without them."""
+        self._unroutable = frozenset(replicas)
+        self._remask()
 
     @property
     def replicas(self) -> list[str]:
@@ -258,6 +296,8 @@ class RoleScheduler:
         aborted = self.abort(replica_id, None, generated)
         del self._running[replica_id]
         self._reindex()
+        # its cache is gone with it (a replica registered later under this id starts cold)
+        self._affinity = {s: r for s, r in self._affinity.items() if r != replica_id}
         return aborted
 
     def running_on(self, replica_id: str) -> list[Sequence]:
@@ -302,19 +342,38 @@ class RoleScheduler:
         """Route from the queue's head while the router admits (at most ``limit``).
 
         Stops at the first sequence the router leaves queued, so the queue's order (aborted
-        first, then FIFO) is also the order of service.
+        first, then FIFO) is also the order of service. A session's sequence goes to the
+        replica of its last turn when that one is routable and under the cap.
         """
         sent: list[Dispatch] = []
+        cap = self.router.settings.max_concurrent_per_replica
         while limit is None or len(sent) < limit:
             seq = self.queue.peek()
             if seq is None:
                 break
-            i = self.router.choose(self._load, self._tokens, seq.tokens)
-            if i < 0:
-                break
+            i = self._hinted(seq.session, cap) if seq.session else -1
+            if i >= 0:
+                self.session_hits += 1
+            else:
+                closed = self._closed
+                load = self._load if closed is None else np.where(closed, cap, self._load)
+                i = self.router.choose(load, self._tokens, seq.tokens)
+                if i < 0:
+                    break
+                if seq.session and seq.session in self._affinity:
+                    self.session_misses += 1
             self.queue.pop()
             sent.append(self._place(seq, self._ids[i]))
         return sent
+
+    def _hinted(self, session: str, cap: int) -> int:
+        """The position of the session's remembered replica if it can take one more, else -1."""
+        replica = self._affinity.get(session)
+        if replica is None:
+            return -1
+        i = self._pos[replica]  # a removed replica's sessions are forgotten
+        closed = self._closed
+        return i if self._load[i] < cap and (closed is None or not closed[i]) else -1
 
     def dispatch_to(self, seq_id: int, replica_id: str) -> Dispatch:
         """Send one queued sequence to a chosen replica (a planned migration's destination)."""
@@ -358,6 +417,7 @@ class RoleScheduler:
         seq.generated_tokens = generated_tokens
 
     def _leave(self, replica_id: str, seq_id: int, generated_tokens: int | None) -> Sequence:
+        """The sequence finished on its replica: off the replica, which its session remembers."""
         held = self._replica(replica_id)
         seq = held.pop(seq_id, None)
         if seq is None:
@@ -368,7 +428,30 @@ class RoleScheduler:
         self._tokens[i] -= seq.tokens
         if generated_tokens is not None:
             seq.generated_tokens = generated_tokens
+        if seq.session:
+            self._remember(seq.session, replica_id)
         return seq
+
+    # --- sessions -----------------------------------------------------------------------
+
+    def _remember(self, session: str, replica_id: str) -> None:
+        affinity = self._affinity
+        affinity.pop(session, None)  # re-inserted: now the most recently served
+        affinity[session] = replica_id
+        if len(affinity) > self.max_sessions:
+            del affinity[next(iter(affinity))]
+
+    def session_replica(self, session: str) -> str | None:
+        """The replica the session's next sequence is routed toward, if any."""
+        return self._affinity.get(session)
+
+    def end_session(self, session: str) -> bool:
+        """Forget the session's replica; False when it had none (unknown, or forgotten)."""
+        return self._affinity.pop(session, None) is not None
+
+    @property
+    def sessions(self) -> int:
+        return len(self._affinity)
 
     def complete(
         self, replica_id: str, seq_id: int, generated_tokens: int | None = None

@@ -66,6 +66,7 @@ from pivot.grpo import (
     policy_loss,
     token_logprobs,
 )
+from pivot.trajectory import NO_VERSION
 
 # adam_eps well above float noise in small gradients: Adam's first step is ~lr * sign(g)
 # where |g| >> eps, which would hide a wrong gradient scale and amplify summation-order noise
@@ -86,13 +87,24 @@ def test_a_rank_command_travels_as_bytes_and_comes_back_equal() -> None:
         advantages=torch.tensor([0.5, -0.5]),
         rewards=torch.tensor([1.0, 0.0]),
         groups=torch.tensor([3, 3]),
+        masked=torch.tensor([0, 1]),
+        stale=torch.tensor([1, 0]),
         pad_id=2,
     ).rows([1])  # a view: not contiguous in the batch it came from
     command = RankCommand("train", batch, publish=True, checkpoint="/runs/x/step-3")
     back = decode_command(encode_command(command))
     assert (back.kind, back.publish, back.checkpoint) == ("train", True, "/runs/x/step-3")
     assert back.batch is not None and back.batch.pad_id == 2
-    for name in ("input_ids", "response_mask", "old_logprobs", "advantages", "rewards", "groups"):
+    for name in (
+        "input_ids",
+        "response_mask",
+        "old_logprobs",
+        "advantages",
+        "rewards",
+        "groups",
+        "masked",
+        "stale",
+    ):
         sent, got = getattr(batch, name), getattr(back.batch, name)
         assert got.dtype == sent.dtype and torch.equal(got, sent), name
     assert decode_command(encode_command(RankCommand("quit"))) == RankCommand("quit")
@@ -614,6 +626,27 @@ async def test_a_bad_batch_is_refused_and_the_group_keeps_serving(group: Group) 
     after = await group.ask(QueryTrainer(fingerprints=True), expect=TrainerStatus)
     assert after.version == before.version and after.state == "idle"
     assert len(set(after.fingerprints)) == 1
+
+
+@ON_GROUP
+async def test_masked_and_stale_tokens_are_left_out_of_the_step_and_counted(group: Group) -> None:
+    version = (await group.ask(QueryTrainer(), expect=TrainerStatus)).version
+    first = group.samples[0]
+    n = len(first.response_ids)
+    # its first two tokens a tool's, the third sampled by the policy before the trainer's
+    turns = msgspec.structs.replace(
+        first,
+        loss_mask=[0, 0] + [1] * (n - 2),
+        versions=[NO_VERSION, NO_VERSION, version - 1] + [version] * (n - 3),
+    )
+    samples = [turns, *group.samples[1:]]
+    trained = await group.ask(
+        TrainBatch(samples=samples, step=8, version=version, max_staleness=0), expect=Trained
+    )
+    stats = trained.stats
+    assert (stats.masked_tokens, stats.stale_tokens) == (2, 1)
+    assert stats.tokens == sum(len(s.response_ids) for s in samples) - 3
+    assert stats.version == version + 1
 
 
 @ON_GROUP

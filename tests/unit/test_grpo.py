@@ -20,15 +20,20 @@ from pivot.grpo import (
     token_logprobs,
     warmup_factor,
 )
+from pivot.trajectory import NO_VERSION
 
 
-def sample(prompt, response, *, reward=0.0, group=0, logprobs=None) -> RolloutSample:
+def sample(
+    prompt, response, *, reward=0.0, group=0, logprobs=None, loss_mask=(), versions=()
+) -> RolloutSample:
     return RolloutSample(
         prompt_ids=list(prompt),
         response_ids=list(response),
         logprobs=list(logprobs) if logprobs is not None else [-1.0] * len(response),
         reward=reward,
         group=group,
+        loss_mask=list(loss_mask),
+        versions=list(versions),
     )
 
 
@@ -187,6 +192,10 @@ def test_batch_pads_and_masks_response_tokens() -> None:
         (sample([1], [2], logprobs=[0.5]), "logprobs must be finite and <= 0"),
         (sample([1], [99]), "out of the vocabulary"),
         (sample([1] * 10, [2]), "more than the model's 8 positions"),
+        (sample([1], [2, 3], loss_mask=[1]), "loss_mask has 1 entries for 2 response tokens"),
+        (sample([1], [2], versions=[0, 0]), "versions has 2 entries for 1 response tokens"),
+        (sample([1], [2], loss_mask=[2]), "loss_mask holds values other than 0 and 1"),
+        (sample([1], [2, 3], versions=[0, NO_VERSION]), "a trained token .* has no policy"),
     ],
 )
 def test_bad_samples_are_refused_by_index(bad: RolloutSample, message: str) -> None:
@@ -197,6 +206,88 @@ def test_bad_samples_are_refused_by_index(bad: RolloutSample, message: str) -> N
 def test_an_empty_batch_is_refused() -> None:
     with pytest.raises(BatchError, match="at least one"):
         build_batch([], pad_id=0)
+    with pytest.raises(BatchError, match="max_staleness must be >= 0, got -1"):
+        build_batch([sample([1], [2])], pad_id=0, max_staleness=-1)
+
+
+def test_a_loss_mask_leaves_tool_tokens_out_of_the_loss_and_their_logprobs_ignored() -> None:
+    # a two-turn response: the policy's 7, a tool's 8 9 (logprobs not the policy's), the
+    # policy's 10
+    turns = sample(
+        [1, 5],
+        [7, 8, 9, 10],
+        logprobs=[-0.1, float("nan"), 0.0, -0.4],
+        loss_mask=[1, 0, 0, 1],
+        versions=[3, NO_VERSION, NO_VERSION, 3],
+    )
+    batch = build_batch([turns, sample([1], [2, 3])], pad_id=0, version=3, max_staleness=0)
+    assert batch.response_mask.tolist() == [[0, 1, 0, 0, 1], [1, 1, 0, 0, 0]]
+    assert batch.old_logprobs[0].tolist() == pytest.approx([0, -0.1, 0, 0, -0.4])
+    assert (batch.tokens, batch.masked_tokens, batch.stale_tokens) == (4, 2, 0)
+
+
+def test_tokens_older_than_the_staleness_bound_are_masked_and_counted() -> None:
+    samples = [
+        sample([1], [2, 3, 4, 5], versions=[3, 4, 5, 5]),
+        # a tool token (NO_VERSION) is masked, not stale
+        sample([1], [6, 7, 8], loss_mask=[1, 0, 1], versions=[2, NO_VERSION, 5], group=1),
+    ]
+    batch = build_batch(samples, pad_id=0, version=5, max_staleness=1)  # oldest allowed: 4
+    assert batch.response_mask.tolist() == [[0, 1, 1, 1], [0, 0, 1, 0]]
+    assert (batch.tokens, batch.masked_tokens, batch.stale_tokens) == (4, 1, 2)
+    assert batch.stale.tolist() == [1, 1] and batch.masked.tolist() == [0, 1]
+    rank0, rank1 = batch.shard(0, 2), batch.shard(1, 2)
+    assert (rank0.stale_tokens, rank1.stale_tokens, rank1.masked_tokens) == (1, 1, 1)
+    # without a bound every sampled token trains, whichever policy sampled it
+    unbounded = build_batch(samples, pad_id=0, version=5)
+    assert (unbounded.tokens, unbounded.stale_tokens) == (6, 0)
+
+
+def test_a_sample_whose_tokens_are_all_masked_trains_nothing_and_divides_by_nothing() -> None:
+    batch = build_batch(
+        [
+            sample([1], [2, 3], loss_mask=[0, 0], reward=1.0),
+            sample([1], [4], versions=[0], reward=0.0),
+        ],
+        pad_id=0,
+        version=9,
+        max_staleness=2,
+    )
+    assert (batch.tokens, batch.masked_tokens, batch.stale_tokens) == (0, 2, 1)
+    logits = torch.randn(2, 3, 8, requires_grad=True)
+    logp = token_logprobs(logits, batch.input_ids)
+    loss, sums = policy_loss(logp, batch.old_logprobs, batch.advantages, batch.response_mask)
+    loss.backward()
+    assert loss.item() == 0.0 and sums.tokens == 0.0 and sums.mean("ratio") == 0.0
+    assert logits.grad is not None and not logits.grad.any()
+
+
+def test_masked_and_stale_tokens_get_no_gradient() -> None:
+    torch.manual_seed(0)
+    batch = build_batch(
+        [
+            sample([1], [2, 3, 4, 5], loss_mask=[1, 0, 1, 1], versions=[1, NO_VERSION, 0, 1]),
+            sample([1], [6, 7, 8, 9], reward=1.0),
+        ],
+        pad_id=0,
+        version=1,
+        max_staleness=0,
+    )
+    logits = torch.randn(2, 5, 16, requires_grad=True)
+    logp = token_logprobs(logits, batch.input_ids)
+    loss, _ = policy_loss(
+        logp,
+        batch.old_logprobs,
+        batch.advantages,
+        batch.response_mask,
+        clip_low=0.99,  # no clip: a clipped token has no gradient either
+        clip_high=100.0,
+        dual_clip=None,
+    )
+    loss.backward()
+    # column t of sample 0 scores response token t: trained 0 and 3; the tool's 1, the stale 2
+    per_column = logits.grad[0, :4].abs().sum(dim=-1)
+    assert (per_column[[1, 2]] == 0).all() and (per_column[[0, 3]] > 0).all()
 
 
 def five_rows() -> GRPOBatch:
