@@ -1,12 +1,13 @@
 """The tool_use example's loop written as an agent against the ``openai`` client, through
-pivot's OpenAI-compatible gateway (``rollout.gateway = true``): the agent only sees text
-and an OpenAI base URL; the gateway records the exact token ids of every turn, and the
-trajectory it gives back masks what the agent added (the calculator's results).
+pivot's OpenAI-compatible gateway (``rollout.gateway = true``): the agent sees only text and
+an OpenAI base URL. The gateway records the exact token ids of every turn, and a rollout that
+returns None trains on them: the policy's tokens trained, what the agent added (the
+calculator's results) masked.
 
 It calls ``/v1/completions`` with text prompts, not chat: the tiny policy is a base model
 with a character tokenizer and no chat template, and its tool protocol is plain text (a call
-``[37*12]`` ends at ``]``, which is one token, so it can be the request's ``stop``). Sampling
-is left to the job (no ``temperature`` or ``max_tokens`` here): the trainer scores tokens at
+``[37*12]`` ends at ``]``, one token, so it can be the request's ``stop``). Sampling is left
+to the job (no ``temperature`` or ``max_tokens`` here): the trainer scores tokens at
 ``training.temperature``, which must be the one they were sampled at.
 """
 
@@ -18,16 +19,16 @@ from pathlib import Path
 from openai import AsyncOpenAI
 
 
-def _tool_use_module():
-    """The calculator and its call format: the tool_use example's (rollout.py)."""
-    path = Path(__file__).resolve().parents[1] / "tool_use" / "rollout.py"
-    spec = importlib.util.spec_from_file_location("tool_use_rollout", path)
+def _tool_use(name: str):
+    """A file of the tool_use example: its rollout.py holds the calculator and its format."""
+    path = Path(__file__).resolve().parents[1] / "tool_use" / name
+    spec = importlib.util.spec_from_file_location(f"tool_use_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-tool = _tool_use_module()
+tool = _tool_use("rollout.py")
 _client: AsyncOpenAI | None = None
 
 
@@ -40,11 +41,11 @@ def client(base_url: str) -> AsyncOpenAI:
     return _client.with_options(base_url=base_url)
 
 
-async def rollout(ctx, task):
+async def rollout(ctx, task) -> None:
     """Complete the prompt; while the policy's reply ends in a call, run it and continue."""
     openai = client(ctx.openai_base_url)
-    text, calls = task.prompt, 0
-    while True:
+    text = task.prompt
+    for calls in range(tool.MAX_CALLS + 1):
         reply = await openai.completions.create(
             model="pivot-policy", prompt=text, stop=[tool.CLOSE]
         )
@@ -52,13 +53,7 @@ async def rollout(ctx, task):
         text += choice.text  # the stop sequence is left out, as OpenAI's replies do
         # a reply names no stop sequence: one that stopped inside a call stopped at its CLOSE
         # (or, rarely, at eos, which rollout.py, seeing tokens, does not take for a call)
-        called = choice.finish_reason == "stop" and tool.open_call(text)
-        if not called or calls == tool.MAX_CALLS:
+        if choice.finish_reason != "stop" or not tool.open_call(text) or calls == tool.MAX_CALLS:
             break
-        calls += 1
         text += tool.CLOSE + tool.calculator(text)
-    # what the agent did, token-exact (returning None would train on it too, without metrics)
-    trajectories = ctx.gateway_trajectories()
-    for trajectory in trajectories:
-        trajectory.metrics = {"tool_calls": float(calls)}
-    return trajectories
+    return None  # train on what the agent did through the gateway, token-exact

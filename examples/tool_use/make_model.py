@@ -28,13 +28,11 @@ import reward
 import rollout
 import torch
 
+from pivot import Chunk, Generation, RewardInput, Task
 from pivot.cli.tinymodels import MAX_POSITIONS, model_config, sft
 from pivot.engines.protocol import SamplingParams
 from pivot.engines.tokenizer import ALPHABET, TextCodec, build_tokenizer, save_pretrained
 from pivot.engines.torch_engine import DecoderSpec, TorchEngine
-from pivot.rewards import RewardInput
-from pivot.rollout import Task
-from pivot.trajectory import Chunk, Generation
 
 HERE = Path(__file__).resolve().parent
 ALPHABET_WITH_TOOL = ALPHABET + rollout.TOOL_CHARACTERS
@@ -115,7 +113,7 @@ async def _rollouts(engine: TorchEngine, codec: TextCodec, tasks: list[Task]):
 
 
 def evaluate(engine: TorchEngine, codec: TextCodec, pairs, seed: int) -> dict[str, float]:
-    """The example's rollout and reward over ``pairs``: mean reward and tool calls."""
+    """The example's rollout and reward over ``pairs``: mean score and tool calls."""
     tasks = [
         Task(
             seq_id=i,
@@ -132,7 +130,7 @@ def evaluate(engine: TorchEngine, codec: TextCodec, pairs, seed: int) -> dict[st
         for i, (prompt, answer) in enumerate(pairs)
     ]
     trajectories = asyncio.run(_rollouts(engine, codec, tasks))
-    scores = [
+    results = [
         reward.score(
             RewardInput(
                 prompt=t.prompt,
@@ -140,11 +138,10 @@ def evaluate(engine: TorchEngine, codec: TextCodec, pairs, seed: int) -> dict[st
                 response_ids=traj.response_ids,
                 reference=t.reference,
             )
-        )["score"]
+        )
         for t, traj in zip(tasks, trajectories, strict=True)
     ]
-    calls = [traj.metrics["tool_calls"] for traj in trajectories]
-    return {"reward": sum(scores) / len(scores), "tool_calls": sum(calls) / len(calls)}
+    return {k: sum(r[k] for r in results) / len(results) for k in ("score", "tool_calls")}
 
 
 def make_model(
@@ -185,10 +182,10 @@ def make_model(
         numbers = evaluate(engine, codec, eval_pairs, seed=step)
         history.append({"step": step, **numbers})
         log(
-            f"step {step}: reward {numbers['reward']:.3f}, tool calls "
+            f"step {step}: reward {numbers['score']:.3f}, tool calls "
             f"{numbers['tool_calls']:.2f} ({time.perf_counter() - started:.0f} s)"
         )
-        return numbers["reward"] >= target
+        return numbers["score"] >= target
 
     steps = sft(
         model,

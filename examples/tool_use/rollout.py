@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import re
 
-from pivot.trajectory import Trajectory
+import pivot
 
 OPEN, CLOSE = "[", "]"  # a tool call is OPEN + expression + CLOSE
 OPERATOR = "*"
 TOOL_CHARACTERS = OPEN + CLOSE + OPERATOR  # what the policy's tokenizer adds to pivot's alphabet
+RESULT = "="  # the calculator's reply starts with it, right after the call's CLOSE
 UNREADABLE = "?"  # the calculator's answer to a call it cannot read
 MAX_CALLS = 2
 
@@ -39,25 +40,28 @@ def calculator(text: str) -> str:
     "...[37*12", "=? " for a call it cannot read."""
     m = _CALL.search(text)
     value = str(int(m.group(1)) * int(m.group(2))) if m else UNREADABLE
-    return f"={value} "
+    return f"{RESULT}{value} "
 
 
-async def rollout(ctx, task) -> Trajectory:
+def tool_calls(response: str) -> int:
+    """The calls in a rollout's response: a CLOSE ends the policy's turn, so only the tool
+    writes RESULT right after one."""
+    return response.count(CLOSE + RESULT)
+
+
+async def rollout(ctx: pivot.RolloutContext, task: pivot.Task) -> pivot.Trajectory:
     """Generate until the policy answers; run the calculator on every call it makes."""
     codec = ctx.tokenizer
     close = codec.encode(CLOSE, bos=False)
-    trajectory = Trajectory(prompt_ids=task.prompt_ids)
-    calls = 0
-    while True:
+    trajectory = pivot.Trajectory(prompt_ids=task.prompt_ids)
+    for calls in range(MAX_CALLS + 1):
         # one turn: the policy writes until it answers (eos) or closes a call
         turn = await ctx.generate(trajectory.token_ids, stop_token_ids=close)
         trajectory.add_generation(turn)
         if list(turn.token_ids[-1:]) != close or calls == MAX_CALLS:
-            break
+            break  # an answer (eos), the token limit, or enough calls
         text = codec.decode(trajectory.response_ids)[: -len(CLOSE)]
         if not open_call(text):
-            break  # a CLOSE that closes nothing: the policy wrote junk, the rollout ends
-        calls += 1
+            break  # a CLOSE that closes nothing: junk, the rollout ends
         trajectory.add_tokens(codec.encode(calculator(text), bos=False))
-    trajectory.metrics = {"tool_calls": float(calls)}
     return trajectory

@@ -102,10 +102,13 @@ def test_tool_use_trains_on_its_turns_with_the_tools_results_masked(examples, to
     tool = _module(examples / "tool_use" / "rollout.py")
     reward = _module(examples / "tool_use" / "reward.py")
     assert [r["step"] for r in reports] == [0, 1]
+    assert len(rows) == 2 * PROMPTS * SAMPLES
     for report in reports:
         assert report["train"]["sequences"] == PROMPTS * SAMPLES  # every rollout trained
         assert report["scores"]["reward_failures"] == 0
-    assert len(rows) == 2 * PROMPTS * SAMPLES
+        # the trainer left exactly the tool's tokens out of the loss
+        masks = [r["loss_mask"] or [] for r in rows if r["step"] == report["step"]]
+        assert report["train"]["masked_tokens"] == sum(m.count(0) for m in masks)
     called = 0
     for row in rows:
         turns = _turns(row, codec)
