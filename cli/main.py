@@ -103,11 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_run)
 
-    from pivot.cli import journal, newmodel, simulate
+    from pivot.cli import journal, monitor, newmodel, simulate
 
     simulate.add_parser(sub)
     journal.add_parser(sub)
     newmodel.add_parser(sub)
+    monitor.add_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks that print numbers")
     bsub = bench.add_subparsers(dest="bench", metavar="WHAT", required=True)
