@@ -27,12 +27,11 @@ ROLE_STYLE: dict[str, tuple[str, str]] = {
     "rollout": ("█", "green"),
     "reward": ("▒", "magenta"),
     "training": ("░", "dodger_blue1"),
-    "free": ("·", "grey50"),
-    UNKNOWN: (" ", "grey30"),
+    "free": ("·", "grey62"),
+    UNKNOWN: ("╌", "grey30"),  # before the first device map (the job was starting)
 }
 ENDED = ("finished", "stopped", "failed")
-#: replay: seconds of run time per second of play, at least (a long run plays faster)
-PLAY_TICK_S = 0.1
+PLAY_TICK_S = 0.1  # playing redraws this often; a second of play is a second of run, or more
 PLAY_SPAN_S = 60.0  # a whole run plays in about this long
 
 
@@ -175,7 +174,8 @@ def draw_alerts(w: Watch, width: int, height: int) -> Text:
 
 
 class MonitorApp(App):
-    """See the module docstring; ``run_name`` is shown in the header."""
+    """See the module docstring; ``run_name`` is shown in the header. Playing advances the
+    view every ``play_tick_s`` by ``play_tick_s`` times the play speed (``advance``)."""
 
     TITLE = "pivot monitor"
     ENABLE_COMMAND_PALETTE = False
@@ -183,7 +183,7 @@ class MonitorApp(App):
     #header { height: 1; background: $primary-darken-2; color: $text; padding: 0 1; }
     #lanes { height: auto; max-height: 12; }
     #lanes Panel { height: auto; min-height: 3; }
-    #middle { height: 1fr; min-height: 7; max-height: 12; }
+    #middle { height: 7; }
     #bottom { height: 1fr; }
     #side { width: 1fr; }
     #planner { height: 6; }
@@ -199,9 +199,12 @@ class MonitorApp(App):
         Binding("end", "end", "latest"),
     ]
 
-    def __init__(self, source: EventSource, run_name: str = "") -> None:
+    def __init__(
+        self, source: EventSource, run_name: str = "", *, play_tick_s: float = PLAY_TICK_S
+    ) -> None:
         super().__init__()
         self.source = source
+        self.play_tick_s = play_tick_s  # how often playing advances the view (wall clock)
         self.run_name = run_name
         self.live = source.live
         self.events: list[Event] = []
@@ -246,6 +249,8 @@ class MonitorApp(App):
         self.redraw()
 
     async def on_unmount(self) -> None:
+        self._mounted = False
+        self._stop_playing()
         await self.source.close()
 
     # -- the timeline
@@ -295,7 +300,7 @@ class MonitorApp(App):
         return max(1.0, span / PLAY_SPAN_S)
 
     def _tick(self) -> None:
-        self.advance(PLAY_TICK_S * self._play_speed())
+        self.advance(self.play_tick_s * self._play_speed())
 
     def _stop_playing(self) -> None:
         self.playing = False
@@ -313,7 +318,7 @@ class MonitorApp(App):
         if self.cursor == len(self.events):
             self.move_to(0)  # play from the start, as a player does at the end
         self.playing = True
-        self._play_timer = self.set_interval(PLAY_TICK_S, self._tick)
+        self._play_timer = self.set_interval(self.play_tick_s, self._tick)
         self.redraw()
 
     def action_back(self) -> None:
@@ -330,9 +335,12 @@ class MonitorApp(App):
         self.move_to(bisect.bisect_right([e.t for e in self.events], t, lo=self.cursor))
 
     def action_prev_step(self) -> None:
-        steps = [i for i, e in enumerate(self.events[: self.cursor]) if isinstance(e, StepDone)]
-        # to just after the step before the latest one shown, or the start
-        self.move_to(steps[-2] + 1 if len(steps) > 1 else 0)
+        """To just after the latest step before the moment shown (or the start)."""
+        for i in range(self.cursor - 2, -1, -1):
+            if isinstance(self.events[i], StepDone):
+                self.move_to(i + 1)
+                return
+        self.move_to(0)
 
     def action_next_step(self) -> None:
         for i in range(self.cursor, len(self.events)):
@@ -363,7 +371,8 @@ class MonitorApp(App):
             mode = "▶ replay"
         else:
             mode = "⏸ live, paused" if self.live else "⏸ replay"
-        return f"{self.run_name} │ {phase} │ {steps} │ {clock_text(w.t)} │ {mode}"
+        alerts = f" │ {len(w.alerts)} alerts" if w.alerts else ""
+        return f"{self.run_name} │ {phase} │ {steps} │ {clock_text(w.t)} │ {mode}{alerts}"
 
     def redraw(self) -> None:
         if not self._mounted:
