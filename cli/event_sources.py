@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -102,16 +102,23 @@ class ReplaySource(MemorySource):
 # -- the live stream over the job's bus
 
 
+def snapshot_records(reply: Any) -> list[Event]:
+    """The records of an ``EventSnapshot``: the latest of each kind that describes state and
+    the recent history, in time order."""
+    return sorted([*reply.state, *reply.history], key=lambda e: e.t)
+
+
 @dataclasses.dataclass(frozen=True)
 class Wire:
     """The job's event stream as the bus carries it: the topic its Monitor publishes
     ``batch`` messages on (``.events``), and the request (``query()``) whose ``snapshot``
-    reply (``.events``) tells a late joiner what happened so far."""
+    reply (read by ``records``) tells a late joiner what happened so far."""
 
     topic: str
     batch: type
     query: type
     snapshot: type
+    records: Callable[[Any], list[Event]] = snapshot_records
 
     @property
     def messages(self) -> tuple[type, ...]:
@@ -182,7 +189,7 @@ class LiveSource:
         reply = await self.actor.request(
             self.monitor, self.wire.query(), expect=self.wire.snapshot, timeout=SNAPSHOT_TIMEOUT_S
         )
-        events = sorted(reply.events, key=lambda e: e.t)
+        events = self.wire.records(reply)
         if events:
             self._seen = events[-1].t
         return events

@@ -134,15 +134,13 @@ def draw_shifts(w: Watch, width: int, height: int) -> Text:
             text.append("\n")
         devices = ",".join(str(d) for d in s.devices)
         style = "red" if s.phase == "aborted" else ("" if s.ended else "bold yellow")
-        total = s.phases[-1][1] if s.phases else 0.0
         text.append(
-            f"#{s.txn} {clock_text(s.t)} {s.kind} [{devices}] {s.phase} {total:.1f}s", style=style
+            f"#{s.txn} {clock_text(s.t)} {s.kind} [{devices}] {s.phase} {s.seconds:.1f}s",
+            style=style,
         )
-        prev, parts = 0.0, []
-        for phase, seconds in s.phases[1:]:
-            parts.append(f"{phase} {seconds - prev:.1f}")
-            prev = seconds
-        text.append("\n  " + " · ".join(parts), style="dim")
+        parts = [f"{phase} {seconds:.1f}" for phase, seconds in s.steps()]
+        if parts:
+            text.append("\n  " + " · ".join(parts), style="dim")
     return text
 
 
@@ -214,6 +212,7 @@ class MonitorApp(App):
         self.playing = False
         self._play_timer = None
         self.loaded = False  # the snapshot is in
+        self.problem = ""  # why the source stopped, when it failed
         self._mounted = False
 
     def compose(self) -> ComposeResult:
@@ -238,13 +237,18 @@ class MonitorApp(App):
         self.run_worker(self._follow(), exclusive=True, group="source")
 
     async def _follow(self) -> None:
-        self.add(await self.source.snapshot())
-        self.loaded = True
-        if not self.live:
-            self.redraw()
-            return
-        async for batch in self.source:
-            self.add(batch)
+        from pivot.bus import BusError
+
+        try:
+            self.add(await self.source.snapshot())
+            self.loaded = True
+            if not self.live:
+                self.redraw()
+                return
+            async for batch in self.source:
+                self.add(batch)
+        except BusError as exc:  # the job went away, or its Monitor does not answer
+            self.problem = str(exc)
         self.live = False  # the job's stream ended
         self.redraw()
 
@@ -363,7 +367,9 @@ class MonitorApp(App):
         phase = w.phase or "-"
         if w.detail and phase == "starting":
             phase = f"{phase}: {w.detail}"
-        if not self.loaded:
+        if self.problem:
+            mode = f"stream lost: {self.problem}"
+        elif not self.loaded:
             mode = "connecting"
         elif self.live and self.following:
             mode = "LIVE"

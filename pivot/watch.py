@@ -96,10 +96,14 @@ class StepFigures:
         )
 
 
+ENDS = ("done", "aborted")  # a shift's last phase: its ``seconds`` are the whole shift's
+
+
 @dataclasses.dataclass
 class Shift:
-    """One shift transaction: its kind, devices and the phases it went through with their
-    times (``seconds`` after it started, as the Controller reports them)."""
+    """One shift transaction: its kind, devices and the phases it went through, each with
+    its own time in seconds (the Controller's ``phase_s``); its last, ``done`` or
+    ``aborted``, carries the whole shift's."""
 
     txn: int
     kind: str
@@ -113,7 +117,18 @@ class Shift:
 
     @property
     def ended(self) -> bool:
-        return self.phase in ("done", "aborted")
+        return self.phase in ENDS
+
+    @property
+    def seconds(self) -> float:
+        """The whole shift's time (so far: its phases' sum, while it runs)."""
+        if self.ended:
+            return self.phases[-1][1]
+        return sum(seconds for _, seconds in self.phases)
+
+    def steps(self) -> list[tuple[str, float]]:
+        """The phases between its start and its end, with their times."""
+        return [(p, s) for p, s in self.phases if p != "started" and p not in ENDS]
 
 
 @dataclasses.dataclass

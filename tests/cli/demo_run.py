@@ -89,7 +89,7 @@ def events() -> list[Event]:
         ),
         ShiftPhase(t=10.0, txn=1, kind="shift", phase="started", devices=[1]),
         ShiftPhase(t=11.0, txn=1, kind="shift", phase="drained", seconds=1.0, devices=[1]),
-        ShiftPhase(t=13.0, txn=1, kind="shift", phase="loaded", seconds=3.0, devices=[1]),
+        ShiftPhase(t=13.0, txn=1, kind="shift", phase="loaded", seconds=2.0, devices=[1]),
         ShiftPhase(t=SHIFT_DONE_T, txn=1, kind="shift", phase="done", seconds=4.0, devices=[1]),
         DeviceMap(
             t=SHIFT_DONE_T,

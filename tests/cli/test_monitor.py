@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import tempfile
 import uuid
 
 import demo_run
@@ -14,7 +18,7 @@ from pivot.cli.event_sources import LiveSource, MemorySource, ReplaySource, Wire
 from pivot.cli.main import main as pivot_main
 from pivot.cli.monitor import BadRun, newest_run, open_source
 from pivot.cli.monitor_app import MonitorApp, draw_lanes
-from pivot.events import EVENTS_FILE, EventRecord, JobPhase, StepDone
+from pivot.events import EVENTS_FILE, DeviceMap, EventRecord, JobPhase, StepDone
 
 SIZE = (80, 24)
 
@@ -108,8 +112,10 @@ class QueryEvents(Message):
     pass
 
 
-class EventSnapshot(Message):
-    events: list[EventRecord]
+class EventSnapshot(Message):  # as pivot.actors.messages spells it on the events branch
+    state: list[EventRecord]
+    history: list[EventRecord]
+    events: int = 0
 
 
 WIRE = Wire(topic="events", batch=EventBatch, query=QueryEvents, snapshot=EventSnapshot)
@@ -124,7 +130,10 @@ class FakeMonitor(Actor):
     @handles
     def query(self, msg: QueryEvents) -> EventSnapshot:
         self.asked.append(type(msg).__name__)
-        return EventSnapshot(events=self.snapshot)
+        # the device map and the job's phase as state, the rest as history
+        state = [e for e in self.snapshot if isinstance(e, DeviceMap | JobPhase)]
+        history = [e for e in self.snapshot if not isinstance(e, DeviceMap | JobPhase)]
+        return EventSnapshot(state=state, history=history, events=len(self.snapshot))
 
 
 async def test_a_late_joiner_catches_up_from_the_snapshot_then_follows_the_stream():
@@ -161,6 +170,43 @@ async def test_a_late_joiner_catches_up_from_the_snapshot_then_follows_the_strea
         await bus.close()
 
 
+async def test_a_job_is_reached_through_its_job_file_over_its_ipc_bus(tmp_path):
+    from pivot.actors.assembly import MONITOR
+
+    sockets = tempfile.mkdtemp(prefix="pm-")  # short: ipc paths have a length limit
+    names = [MONITOR, "driver"]
+    bus = Bus.nng(Directory.ipc(sockets, names), WIRE.messages)
+    monitor = FakeMonitor(MONITOR, bus, demo_run.events())
+    await monitor.start()
+    try:
+        info = {"pid": os.getpid(), "state": "running", "sockets": sockets, "names": names}
+        app = MonitorApp(LiveSource.of_job(info, wire=WIRE), run_name="job")
+        async with app.run_test(size=SIZE) as pilot:
+            while not app.loaded:
+                await pilot.pause(0.01)
+            assert app.view.lanes[3].role == "rollout" and app.view.phase == "finished"
+    finally:
+        await monitor.stop()
+        await bus.close()
+        shutil.rmtree(sockets, ignore_errors=True)
+
+
+async def test_a_job_that_does_not_answer_is_said_on_the_header(monkeypatch):
+    from pivot.cli import event_sources
+
+    monkeypatch.setattr(event_sources, "SNAPSHOT_TIMEOUT_S", 0.2)
+    directory = Directory.inproc(["monitor", "watcher"], namespace=uuid.uuid4().hex)
+    bus = Bus.nng(directory, WIRE.messages)  # nobody serves "monitor"
+    try:
+        app = MonitorApp(LiveSource(Actor("watcher", bus), WIRE, monitor="monitor"))
+        async with app.run_test(size=SIZE) as pilot:
+            await app.workers.wait_for_complete()
+            await pilot.pause()
+            assert "stream lost" in header(app) and not app.live
+    finally:
+        await bus.close()
+
+
 # -- the command
 
 
@@ -179,9 +225,24 @@ def test_the_default_run_is_the_newest_and_an_ended_job_is_replayed(tmp_path):
     older, newer = tmp_path / "runs" / "a", tmp_path / "runs" / "b"
     write_events(older, [JobPhase(t=0.0, phase="finished")])
     write_events(newer, [StepDone(t=1.0, step=0, report={})])
-    import os
-
     os.utime(older, (1, 1))
     assert newest_run(tmp_path / "runs") == newer
     (newer / "job.json").write_text('{"state": "finished", "pid": 1}')
     assert isinstance(open_source(newer), ReplaySource)
+
+
+def test_a_running_job_without_an_event_stream_is_replayed_from_its_file(tmp_path, monkeypatch):
+    from pivot.cli import event_sources
+
+    def no_stream():
+        raise event_sources.NoEventStream("no EventBatch")
+
+    monkeypatch.setattr(event_sources, "job_wire", no_stream)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    info = {"pid": os.getpid(), "state": "running", "sockets": str(tmp_path), "names": []}
+    (run_dir / "job.json").write_text(json.dumps(info))
+    with pytest.raises(BadRun, match="no events.jsonl"):
+        open_source(run_dir)
+    write_events(run_dir, demo_run.events())
+    assert isinstance(open_source(run_dir), ReplaySource)

@@ -30,17 +30,19 @@ def test_a_device_map_starts_a_lane_per_device_and_a_shift_moves_one():
     assert w.t == 5.0
 
 
-def test_a_shift_keeps_its_phases_and_ends_at_done():
+def test_a_shift_keeps_each_phase_s_time_and_its_whole_time_at_done():
     w = Watch.of(
         [
             ShiftPhase(t=1.0, txn=7, kind="shift", phase="started", devices=[2]),
-            ShiftPhase(t=2.5, txn=7, kind="shift", phase="drained", seconds=1.5),
+            ShiftPhase(t=2.5, txn=7, kind="shift", phase="drain", seconds=1.5),
+            ShiftPhase(t=3.5, txn=7, kind="shift", phase="load", seconds=1.0),
         ]
     )
     (shift,) = w.shift_log()
-    assert (shift.devices, shift.phase, shift.ended) == ([2], "drained", False)
+    assert (shift.devices, shift.phase, shift.ended, shift.seconds) == ([2], "load", False, 2.5)
     w.feed(ShiftPhase(t=4.0, txn=7, kind="shift", phase="done", seconds=3.0))
-    assert shift.ended and shift.phases[-1] == ("done", 3.0)
+    assert shift.ended and shift.seconds == 3.0
+    assert shift.steps() == [("drain", 1.5), ("load", 1.0)]
 
 
 def test_a_step_report_gives_its_figures_and_a_resumed_step_replaces_the_first():
