@@ -174,7 +174,11 @@ class LiveSource:
 
         wire = wire or job_wire()
         directory = Directory.ipc(info["sockets"], info["names"])
-        bus = Bus.nng(directory, [*rl_messages(), *wire.messages], secret=job_secret())
+        # the wire's types stand for the vocabulary's of the same name (the job's own, or a
+        # test's stand-ins): one type per tag
+        names = {m.__name__ for m in wire.messages}
+        job = [m for m in rl_messages() if m.__name__ not in names]
+        bus = Bus.nng(directory, [*job, *wire.messages], secret=job_secret())
         actor = Actor(f"monitor-tui-{os.getpid()}", bus)
         return cls(actor, wire, monitor=MONITOR, bus=bus)
 

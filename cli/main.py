@@ -103,11 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_run)
 
-    from pivot.cli import journal, monitor, newmodel, simulate
+    from pivot.cli import journal, newmodel, simulate
 
     simulate.add_parser(sub)
     journal.add_parser(sub)
     newmodel.add_parser(sub)
+    from pivot.cli import monitor
+
     monitor.add_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks that print numbers")

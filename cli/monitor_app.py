@@ -20,7 +20,15 @@ from textual.widgets import Footer, Static
 
 from pivot.cli.event_sources import EventSource
 from pivot.events import Event, JobPhase, StepDone
-from pivot.watch import UNKNOWN, Watch, clock_text, lane_cells, sparkline
+from pivot.watch import (
+    UNKNOWN,
+    Watch,
+    clock_text,
+    compact,
+    duration_text,
+    lane_cells,
+    sparkline,
+)
 
 #: each role's glyph and colour in a lane (the glyph tells roles apart without colour)
 ROLE_STYLE: dict[str, tuple[str, str]] = {
@@ -135,10 +143,10 @@ def draw_shifts(w: Watch, width: int, height: int) -> Text:
         devices = ",".join(str(d) for d in s.devices)
         style = "red" if s.phase == "aborted" else ("" if s.ended else "bold yellow")
         text.append(
-            f"#{s.txn} {clock_text(s.t)} {s.kind} [{devices}] {s.phase} {s.seconds:.1f}s",
+            f"#{s.txn} {clock_text(s.t)} {s.kind} [{devices}] {s.phase} {duration_text(s.seconds)}",
             style=style,
         )
-        parts = [f"{phase} {seconds:.1f}" for phase, seconds in s.steps()]
+        parts = [f"{phase} {duration_text(seconds)}" for phase, seconds in s.steps()]
         if parts:
             text.append("\n  " + " · ".join(parts), style="dim")
     return text
@@ -150,10 +158,13 @@ def draw_planner(w: Watch, width: int, height: int) -> Text:
     if d is None:
         text.append("no decision yet", style="dim")
         return text
-    text.append(f"{clock_text(d.t)} bottleneck {d.bottleneck}: ")
+    text.append(f"{clock_text(d.t)} bottleneck {d.bottleneck or '-'}: ")
     text.append("acted" if d.acted else "held", style="bold green" if d.acted else "yellow")
     text.append(f"\n{d.candidate or '-'}")
-    text.append(f"\nL {d.value:.0f} = {d.horizon_s:.0f}s x {d.throughput_gain:.1f} - {d.cost:.0f}")
+    text.append(
+        f"\nL {compact(d.value)} = H {compact(d.horizon_s)}s"
+        f" x dT {compact(d.throughput_gain)} - Phi {compact(d.cost)}"
+    )
     text.append(f"\n{d.why}", style="dim")
     return text
 
@@ -385,4 +396,5 @@ class MonitorApp(App):
             return
         self.query_one("#header", Static).update(self.header_text())
         for panel in self.query(Panel):
-            panel.refresh()
+            # the lanes' panel is as high as there are lanes: its layout may change
+            panel.refresh(layout=panel.id == "lane-panel")

@@ -258,3 +258,17 @@ def clock_text(seconds: float) -> str:
     h, rest = divmod(s, 3600)
     m, s = divmod(rest, 60)
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+def compact(x: float) -> str:
+    """A figure in at most about five characters: 0.25, 42, 1.7k, 43M (the planner's gains
+    and costs span many orders of magnitude)."""
+    for limit, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= limit:
+            return f"{x / limit:.3g}{suffix}"
+    return f"{x:.3g}"
+
+
+def duration_text(seconds: float) -> str:
+    """A short duration: milliseconds under a second (a CPU job's shifts take tens)."""
+    return f"{seconds * 1000:.0f}ms" if abs(seconds) < 1 else f"{seconds:.1f}s"

@@ -12,7 +12,16 @@ from pivot.events import (
     StepDone,
     TrainerPhase,
 )
-from pivot.watch import HISTORY, Lane, Watch, clock_text, lane_cells, sparkline
+from pivot.watch import (
+    HISTORY,
+    Lane,
+    Watch,
+    clock_text,
+    compact,
+    duration_text,
+    lane_cells,
+    sparkline,
+)
 
 
 def test_a_device_map_starts_a_lane_per_device_and_a_shift_moves_one():
@@ -107,3 +116,13 @@ def test_sparkline_scales_to_its_values_and_keeps_the_last():
 
 def test_clock_text():
     assert (clock_text(0.4), clock_text(61.0), clock_text(3725.0)) == ("0:00", "1:01", "1:02:05")
+
+
+def test_compact_figures_and_durations():
+    assert [compact(x) for x in (0.25, 42.0, -1734.0, 43354081.0)] == [
+        "0.25",
+        "42",
+        "-1.73k",
+        "43.4M",
+    ]
+    assert (duration_text(0.034), duration_text(2.25)) == ("34ms", "2.2s")
