@@ -152,22 +152,42 @@ class LiveSource:
     the job's bus: ``snapshot`` subscribes first, then asks for the snapshot, so nothing
     published between the two is lost; batches the snapshot already holds (events no later
     than its last) are dropped. Nothing touches the bus before ``snapshot``, so the source
-    can be made before the event loop it runs on."""
+    can be made before the event loop it runs on.
+
+    ``record``: the job's events.jsonl, when this host can read it. The snapshot holds only
+    each kind's latest state and the recent history; the file holds the run from its start,
+    so a late joiner's lanes show the whole run. And a job's last batch can be lost as it
+    stops (pub/sub is best effort): when ``ended()`` says the job is over (checked every
+    ``poll_s`` without a publication), the stream ends with what the file holds beyond it.
+    """
 
     live = True
 
-    def __init__(self, actor: Any, wire: Wire, *, monitor: str, bus: Any = None) -> None:
+    def __init__(
+        self,
+        actor: Any,
+        wire: Wire,
+        *,
+        monitor: str,
+        bus: Any = None,
+        record: Path | None = None,
+        ended: Callable[[], bool] | None = None,
+        poll_s: float = 1.0,
+    ) -> None:
         self.actor = actor
         self.wire = wire
         self.monitor = monitor
+        self.record = record
+        self.ended = ended
+        self.poll_s = poll_s
         self._bus = bus  # closed with the source when the source made it
         self._subscription: Any = None  # made on the loop the watcher runs on
         self._seen = float("-inf")
 
     @classmethod
-    def of_job(cls, info: dict, *, wire: Wire | None = None) -> LiveSource:
+    def of_job(cls, info: dict, *, wire: Wire | None = None, **kw: Any) -> LiveSource:
         """The job ``info`` (its ``job.json``) describes, over a bus of its own, as
-        ``pivot.cli.jobs.Attached`` reaches it."""
+        ``pivot.cli.jobs.Attached`` reaches it; ``kw`` as ``LiveSource`` takes them."""
         from pivot.actors.assembly import MONITOR
         from pivot.actors.vocabulary import rl_messages
         from pivot.bus import Actor, Bus, Directory, job_secret
@@ -180,7 +200,18 @@ class LiveSource:
         job = [m for m in rl_messages() if m.__name__ not in names]
         bus = Bus.nng(directory, [*job, *wire.messages], secret=job_secret())
         actor = Actor(f"monitor-tui-{os.getpid()}", bus)
-        return cls(actor, wire, monitor=MONITOR, bus=bus)
+        return cls(actor, wire, monitor=MONITOR, bus=bus, **kw)
+
+    def _recorded(self) -> list[Event]:
+        if self.record is None or not self.record.is_file():
+            return []
+        return read_events(self.record)[0]
+
+    def _fresh(self, events: Iterable[Event]) -> list[Event]:
+        fresh = [e for e in events if e.t > self._seen]
+        if fresh:
+            self._seen = max(e.t for e in fresh)
+        return fresh
 
     async def snapshot(self) -> list[Event]:
         from pivot.bus import BusError
@@ -193,19 +224,26 @@ class LiveSource:
         reply = await self.actor.request(
             self.monitor, self.wire.query(), expect=self.wire.snapshot, timeout=SNAPSHOT_TIMEOUT_S
         )
-        events = self.wire.records(reply)
-        if events:
-            self._seen = events[-1].t
-        return events
+        recorded = self._fresh(self._recorded())  # read after the reply: it may hold more
+        return recorded + self._fresh(self.wire.records(reply))
 
     async def __aiter__(self) -> AsyncIterator[list[Event]]:
-        async for publication in self._subscription:
+        while True:
+            try:
+                publication = await self._subscription.get(timeout=self.poll_s)
+            except TimeoutError:
+                if self.ended is not None and self.ended():
+                    break
+                continue
             message = publication.message
             if not isinstance(message, self.wire.batch):
                 continue  # a probe
-            fresh = [e for e in message.events if e.t > self._seen]
+            fresh = self._fresh(message.events)
             if fresh:
                 yield fresh
+        rest = self._fresh(self._recorded())
+        if rest:
+            yield rest
 
     async def close(self) -> None:
         if self._subscription is not None:

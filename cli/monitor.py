@@ -61,12 +61,12 @@ def open_source(run_dir: Path):  # noqa: ANN201 - an EventSource
     if not run_dir.is_dir():
         raise BadRun(f"{run_dir}: no such run folder")
     info = running_job(run_dir)
+    path = run_dir / EVENTS_FILE
     if info is not None:
         try:
-            return LiveSource.of_job(info)
+            return LiveSource.of_job(info, record=path, ended=lambda: running_job(run_dir) is None)
         except NoEventStream:
             pass  # an older job: what its events.jsonl holds so far
-    path = run_dir / EVENTS_FILE
     if not path.is_file():
         raise BadRun(f"{run_dir}: no {EVENTS_FILE} and no running job to attach to")
     return ReplaySource(path)

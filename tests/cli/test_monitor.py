@@ -170,6 +170,43 @@ async def test_a_late_joiner_catches_up_from_the_snapshot_then_follows_the_strea
         await bus.close()
 
 
+async def test_a_watcher_starts_from_the_record_and_ends_with_it_when_the_job_ends(tmp_path):
+    events = demo_run.events()
+    record = tmp_path / EVENTS_FILE
+    write_events(tmp_path, [e for e in events if e.t <= 8.0])  # flushed so far
+    directory = Directory.inproc(["monitor", "watcher"], namespace=uuid.uuid4().hex)
+    bus = Bus.nng(directory, WIRE.messages)
+    # the snapshot: the latest state and only the recent history
+    monitor = FakeMonitor("monitor", bus, [e for e in events if 6.0 < e.t <= 12.0])
+    await monitor.start()
+    over = False
+    try:
+        source = LiveSource(
+            Actor("watcher", bus),
+            WIRE,
+            monitor="monitor",
+            record=record,
+            ended=lambda: over,
+            poll_s=0.02,
+        )
+        app = MonitorApp(source, run_name="live")
+        async with app.run_test(size=SIZE) as pilot:
+            while not app.loaded:
+                await pilot.pause(0.01)
+            # the whole run so far, each event once: the lanes start at the job's start
+            assert app.events == [e for e in events if e.t <= 12.0]
+            assert app.view.lanes[0].spans[0][0] == 2.0
+            # the job ends; its last batch never came, its record holds everything
+            write_events(tmp_path, events)
+            over = True
+            while app.live:
+                await pilot.pause(0.01)
+            assert app.events == events and app.view.phase == "finished"
+    finally:
+        await monitor.stop()
+        await bus.close()
+
+
 async def test_a_job_is_reached_through_its_job_file_over_its_ipc_bus(tmp_path):
     from pivot.actors.assembly import MONITOR
 
