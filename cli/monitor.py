@@ -2,8 +2,8 @@
 
 RUN_DIR defaults to the newest run under ``runs/``. A job that runs (``RUN/job.json`` says
 so and its process is alive) is watched over its bus: the Monitor's event stream, caught up
-from its snapshot; otherwise the run's ``events.jsonl`` is replayed. Textual is imported only
-here, when the command runs (``pivot --help`` stays instant).
+from the run's ``events.jsonl`` and the Monitor's snapshot; otherwise ``events.jsonl`` is
+replayed. Textual is imported only when the command runs (``pivot --help`` stays instant).
 """
 
 from __future__ import annotations
