@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_parser(sub)
     journal.add_parser(sub)
     newmodel.add_parser(sub)
+    from pivot.cli import monitor
+
+    monitor.add_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks that print numbers")
     bsub = bench.add_subparsers(dest="bench", metavar="WHAT", required=True)
