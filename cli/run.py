@@ -166,6 +166,9 @@ class Job:
         remove_orphaned_stores()  # GPS stores of runs killed before they could remove theirs
         self.sockets = make_socket_dir()
         directory = Directory.ipc(self.sockets, self._names())
+        if job.attach.tcp:  # the Driver also takes requests from other hosts
+            driver_at = directory.lookup(DRIVER)
+            directory.add(DRIVER, msgspec.structs.replace(driver_at, also_rep=(job.attach.tcp,)))
         # the children sign with the job's secret when one is set: this process must too
         self.bus = Bus.nng(directory, rl_messages(), secret=job_secret())
         checkpoints = {Role.ROLLOUT: self.policy}
@@ -528,6 +531,21 @@ def scores_text(scores: Scores) -> str:
     return "  ".join(parts)
 
 
+def _check_attach(job: JobConfig, config: str) -> None:
+    address = job.attach.tcp
+    if not address:
+        return
+    if not address.startswith(("tcp://", "tcp4://", "tcp6://")) or ":" not in address[6:]:
+        raise ConfigError(config, "attach.tcp", "an address tcp://HOST:PORT", repr(address))
+    if job_secret() is None:
+        raise ConfigError(
+            config,
+            "attach.tcp",
+            "the job's shared secret for a tcp address (PIVOT_SECRET_FILE)",
+            "no secret set",
+        )
+
+
 def prepare(
     config: str,
     *,
@@ -546,6 +564,7 @@ def prepare(
         job.validate(config)
     except ConfigError as exc:
         raise blame_overrides(exc, overrides) from None
+    _check_attach(job, config)
     policy = resolve_model(job.model.policy, config, "model.policy")
     genrm = (
         resolve_model(job.model.genrm, config, "model.genrm")
