@@ -477,8 +477,8 @@ def test_a_repeated_delivery_counts_once_and_is_reported():
 def test_a_genrm_with_its_own_tokenizer_gets_the_response_as_text_in_its_own_ids():
     from pivot.actors.sources import Sample
     from pivot.engines.tokenizer import ALPHABET
-    from pivot.trajectory import Chunk, Generation, Trajectory
     from pivot.task import genrm_prompt
+    from pivot.trajectory import Chunk, Generation, Trajectory
 
     judge = TextCodec.char(ALPHABET[::-1])  # same characters, other ids
     source = task_source(
