@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
@@ -134,6 +135,9 @@ class ControllerSettings(ConfigStruct, kw_only=True):
     decisions_every_s: Seconds = 0.0
 
 
+_DIGITS = re.compile(r"[-+]?[\d.]+(e[-+]?\d+)?")
+
+
 def decided(decision: Decision, horizon_s: float, at: float) -> PlannerDecided:
     """``decision`` as watchers read it: the plan's figures when it acted, else its best
     candidate's (the highest L), and its reason."""
@@ -204,7 +208,7 @@ class Controller(Actor):
         self.shift: ShiftTransaction | None = None
         self.shifts_done = 0
         self.last_decision: Decision | None = None
-        self._told: tuple[PlannerDecided | None, float] = (None, 0.0)  # published last, when
+        self._told: tuple[tuple | None, float] = (None, 0.0)  # the kind published last, when
         self.journal_problems: list[str] = []
         self.recovery_problems: list[str] = []
         self._next_txn = 1
@@ -326,6 +330,19 @@ class Controller(Actor):
             self.log.info("shift planned", reason=decision.reason, kind=decision.plan.kind)
             await self.execute(decision.plan, decision.reason)
         return decision
+
+    async def _tell_decision(self, decision: Decision) -> None:
+        """Publish ``decision`` for watchers when it says something new, or when the last
+        one published is ``decisions_every_s`` old (one per tick at most: one per plan)."""
+        told = decided(decision, self.settings.planner.horizon_s, self.clock.now())
+        # what makes a decision new: its kind, not its figures (a cooldown counts down in
+        # its reason every tick); a shift is always new
+        kind = (told.acted, tuple(told.bottleneck), _DIGITS.sub("#", told.reason), told.candidate)
+        last, at = self._told
+        if not told.acted and kind == last and told.at - at < self.settings.decisions_every_s:
+            return
+        self._told = (kind, told.at)
+        await self.publish(SHIFT_TOPIC, told)
 
     # --- monitor ----------------------------------------------------------------------------
 

@@ -291,6 +291,7 @@ class Driver(Actor):
         self.unknown_completions = 0
         # ``StopJob``: the job ends after this step (checkpointed); -1: at once
         self.stop_after: int | None = None
+        self._training: tuple[int, bool] | None = None  # the step training, checkpointed?
 
     # -- completions from both stages
 
@@ -342,12 +343,15 @@ class Driver(Actor):
     def stop_job(self, msg: StopJob) -> StopAccepted:
         """``pivot stop``: finish the step in progress (the oldest not yet trained; before
         the first, the first), checkpoint it where there is a trainer and checkpoints, and
-        end (``finished`` is set); ``now``: end at once, abandoning the step."""
+        end (``finished`` is set); a step whose training already began without a checkpoint
+        is followed by one more, which gets it. ``now``: end at once, abandoning the step."""
         if msg.now:
             self.stop_after = -1
             self.finished.set()
             return StopAccepted(step=-1)
         step = min(self._open, default=self._trained)
+        if self._training == (step, False):
+            step += 1  # it trains already without a checkpoint: the next step gets one
         if self.stop_after is None or self.stop_after < 0 or step < self.stop_after:
             self.stop_after = step
         checkpoint = ""
@@ -555,6 +559,7 @@ class Driver(Actor):
                     request = msgspec.structs.replace(
                         request, version=self.policy_version, max_staleness=self.staleness
                     )
+                self._training = (batch.step, due)
                 reply = await self.request(self.trainer, request, timeout=self.train_timeout)
                 restart = getattr(reply, "restart", None)
                 if restart is not None:
