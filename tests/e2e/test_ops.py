@@ -18,6 +18,7 @@ from pathlib import Path
 import msgspec
 
 from pivot.cli.jobfile import JOB_FILE, JobFile, job_state, read_job
+from pivot.cli.main import main
 from pivot.events import DeviceMap, EventRecord, JobPhase, StepDone
 
 PIVOT = [sys.executable, "-m", "pivot.cli.main"]
@@ -33,11 +34,16 @@ SMALL = (
 )
 
 
-def pivot(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([*PIVOT, *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+def test_ps_stop_and_logs_on_a_running_job(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # ps looks under runs/ here; stop takes a name under it
 
+    def pivot(*args: str) -> subprocess.CompletedProcess:
+        """The verb in this process (a short one needs no interpreter of its own)."""
+        capsys.readouterr()
+        code = main(list(args))
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out, err)
 
-def test_ps_stop_and_logs_on_a_running_job(tmp_path):
     run_dir = tmp_path / "runs" / "job"
     out = (tmp_path / "out.txt").open("w")
     job = subprocess.Popen(
@@ -53,7 +59,7 @@ def test_ps_stop_and_logs_on_a_running_job(tmp_path):
             assert job.poll() is None, (tmp_path / "out.txt").read_text()[-3000:]
             assert time.monotonic() < deadline, "no step done"
             time.sleep(0.2)
-        ps = pivot("ps", cwd=tmp_path)
+        ps = pivot("ps")
         assert ps.returncode == 0, ps.stderr
         header, *rows = ps.stdout.splitlines()
         assert header.split() == ["RUN", "PID", "STEP", "DEPLOYMENT", "STATE", "STARTED"]
@@ -63,7 +69,7 @@ def test_ps_stop_and_logs_on_a_running_job(tmp_path):
         assert re.fullmatch(rf"\d+/{STEPS}", fields[2]) and int(fields[2].split("/")[0]) >= 1
         assert fields[3:5] == ["pivot", "running"]
 
-        stop = pivot("stop", "job", cwd=tmp_path)
+        stop = pivot("stop", "job")
         assert stop.returncode == 0, stop.stderr
         said = re.search(r"stopping after step (\d+); checkpoint (\S+)", stop.stdout)
         assert said, stop.stdout
@@ -81,11 +87,11 @@ def test_ps_stop_and_logs_on_a_running_job(tmp_path):
     assert reports[-1]["checkpoint"] == str(checkpoint)
     assert json.loads((checkpoint / "state.json").read_text())["next_step"] == step + 1
 
-    assert pivot("ps", cwd=tmp_path).stdout.splitlines()[1:] == []  # only running ones
-    every = pivot("ps", "--all", cwd=tmp_path).stdout.splitlines()[1:]
+    assert pivot("ps").stdout.splitlines()[1:] == []  # only running ones
+    every = pivot("ps", "--all").stdout.splitlines()[1:]
     assert [line.split()[4] for line in every] == ["stopped"]
 
-    logs = pivot("logs", str(run_dir), "--actor", "driver", cwd=tmp_path)
+    logs = pivot("logs", str(run_dir), "--actor", "driver")
     assert logs.returncode == 0, logs.stderr
     lines = logs.stdout.splitlines()
     # time, level, actor, event: only the driver's, none a raw JSON line
