@@ -138,6 +138,12 @@ class ControllerSettings(ConfigStruct, kw_only=True):
 _DIGITS = re.compile(r"[-+]?[\d.]+(e[-+]?\d+)?")
 
 
+def decision_kind(told: PlannerDecided) -> tuple:
+    """What makes a published decision new: what it says, not its figures (a cooldown
+    counts down in its reason every tick). A shift is new whatever it says."""
+    return (told.acted, tuple(told.bottleneck), _DIGITS.sub("#", told.reason), told.candidate)
+
+
 def decided(decision: Decision, horizon_s: float, at: float) -> PlannerDecided:
     """``decision`` as watchers read it: the plan's figures when it acted, else its best
     candidate's (the highest L), and its reason."""
@@ -335,9 +341,7 @@ class Controller(Actor):
         """Publish ``decision`` for watchers when it says something new, or when the last
         one published is ``decisions_every_s`` old (one per tick at most: one per plan)."""
         told = decided(decision, self.settings.planner.horizon_s, self.clock.now())
-        # what makes a decision new: its kind, not its figures (a cooldown counts down in
-        # its reason every tick); a shift is always new
-        kind = (told.acted, tuple(told.bottleneck), _DIGITS.sub("#", told.reason), told.candidate)
+        kind = decision_kind(told)
         last, at = self._told
         if not told.acted and kind == last and told.at - at < self.settings.decisions_every_s:
             return

@@ -101,6 +101,7 @@ class EventHub:
         self._step_seconds: deque[float] = deque(maxlen=TREND_STEPS)
         self._crashed: dict[str, str] = {}  # child -> why, until it starts again
         self._starting: list[tuple[str, set[str], int]] = []
+        self._detail = ""  # the start-up detail said last
         if self._devices:
             self._add(self._device_map(0.0))
 
@@ -297,6 +298,9 @@ class EventHub:
     def _starting_detail(self, now: float) -> None:
         for what, names, total in self._starting:
             if names:
-                self.phase(now, "starting", f"{what} ({total - len(names)}/{total} up)")
+                detail = f"{what} ({total - len(names)}/{total} up)"
+                if detail != self._detail:  # a child outside the groups changes nothing
+                    self._detail = detail
+                    self.phase(now, "starting", detail)
                 return
         self._starting = []

@@ -1,10 +1,12 @@
 """``RUN/job.json``: how tools find and reach a job, and what state it is in.
 
-`pivot run` writes it when its actors run and rewrites it whole (atomically: a reader never
-sees half a file) on each step and on every way out: ``running``, then ``finished``,
-``stopped`` (``pivot stop``), ``failed`` or ``interrupted`` (a signal). A job killed with
-SIGKILL cannot write its end: ``job_state`` reads a ``running`` job whose process is gone (its
-pid and start time, ``owner``, as ``pivot.bus.sockets`` records them) as ``dead``.
+`pivot run` writes it as it starts the job's processes and rewrites it whole (atomically: a
+reader never sees half a file) when its actors run, on each step and on every way out:
+``starting``, ``running``, then ``finished``, ``stopped`` (``pivot stop``), ``failed`` or
+``interrupted`` (a signal). The states are the job's phases too (``pivot.events.JobPhase``).
+A job killed with SIGKILL cannot write its end: ``job_state`` reads one still ``starting`` or
+``running`` whose process is gone (its pid and start time, ``owner``, as
+``pivot.bus.sockets`` records them) as ``dead``.
 
 Fields (docs/metrics.md): pid, owner, state, sockets (the bus's ipc folder), names (its
 actors), step (steps done), steps, deployment, config, started, updated.
@@ -23,6 +25,7 @@ from typing import Any
 from pivot.bus.sockets import owner_alive, owner_text
 
 JOB_FILE = "job.json"
+STARTING = "starting"
 RUNNING = "running"
 DEAD = "dead"  # read, never written: the job's process is gone without saying so
 
@@ -61,9 +64,10 @@ def read_job(run_dir: Path) -> dict[str, Any] | None:
 
 
 def job_state(info: dict[str, Any]) -> str:
-    """The job's state: as written, but ``dead`` for a running one whose process is gone."""
+    """The job's state: as written, but ``dead`` for a starting or running one whose process
+    is gone."""
     state = str(info.get("state", "?"))
-    if state == RUNNING:
+    if state in (STARTING, RUNNING):
         owner = info.get("owner") or str(info.get("pid", ""))
         if not owner_alive(owner):
             return DEAD

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-from pivot.cli.jobfile import JOB_FILE, RUNNING, job_state, read_job
+from pivot.cli.jobfile import JOB_FILE, RUNNING, STARTING, job_state, read_job
 
 RUNS = Path("runs")
 LOG_FILE = "actors.log"
@@ -60,7 +60,7 @@ def job_rows(roots: Iterable[Path], everything: bool = False) -> list[dict[str, 
         if info is None:
             continue
         state = job_state(info)
-        if not everything and state not in (RUNNING, "starting"):
+        if not everything and state not in (STARTING, RUNNING):
             continue
         steps = info.get("steps")
         rows.append(
@@ -163,7 +163,7 @@ def _follow(log: TextIO, run_dir: Path) -> Iterator[str]:
                 pending = ""
             continue
         info = read_job(run_dir)
-        if info is None or job_state(info) not in (RUNNING, "starting"):
+        if info is None or job_state(info) not in (STARTING, RUNNING):
             rest = pending + log.read()
             yield from rest.splitlines(keepends=True)
             return

@@ -54,7 +54,7 @@ from pivot.bus.statsfile import BusStatsFile, read_stats_dir, trouble
 from pivot.bus.supervisor import ChildDidNotStart, SupervisorEscalation
 from pivot.cli.inputs import EVAL_IDS, Inputs, read_inputs
 from pivot.cli.interrupts import Interrupted, signal_of
-from pivot.cli.jobfile import JOB_FILE, JobFile
+from pivot.cli.jobfile import JOB_FILE, RUNNING, STARTING, JobFile
 from pivot.cli.live import LiveView
 from pivot.cli.plot import plot_run
 from pivot.cli.resume import (
@@ -256,7 +256,7 @@ class Job:
         names = self._names()
         job_file = self.job_file = JobFile(
             run_dir,
-            state="starting",
+            state=STARTING,
             sockets=str(self.sockets),
             names=names,
             step=self.resume.state.next_step if self.resume else 0,
@@ -379,7 +379,7 @@ class Job:
         async def before_first_step() -> None:
             if first_step is not None:
                 await first_step()
-            hub.phase(self.bus.clock.now(), "running")
+            hub.phase(self.bus.clock.now(), RUNNING)
 
         driver.before_first_step = before_first_step
         sup.listen(hub.supervised)
@@ -387,7 +387,7 @@ class Job:
         counters.start()
         state = "failed"  # what an exception on the way says, unless it says otherwise
         try:
-            hub.phase(self.bus.clock.now(), "starting", "starting the job's processes")
+            hub.phase(self.bus.clock.now(), STARTING, "starting the job's processes")
             hub.expect_children(
                 self.bus.clock.now(),
                 [
@@ -397,7 +397,7 @@ class Job:
                 ],
             )
             hub.flush()
-            job_file.update(state="starting")
+            job_file.update(state=STARTING)
             try:
                 await sup.start()
             except Exception:
@@ -405,8 +405,8 @@ class Job:
                     state = "interrupted"
                     raise Interrupted(sup.signalled) from None
                 raise
-            job_file.update(state="running")
-            hub.phase(self.bus.clock.now(), "starting", "waiting for replicas")
+            job_file.update(state=RUNNING)
+            hub.phase(self.bus.clock.now(), STARTING, "waiting for replicas")
             self.started.set()
             done = asyncio.ensure_future(driver.finished.wait())
             failed = asyncio.ensure_future(sup.wait())

@@ -1,12 +1,15 @@
 """The Monitor as the job's event hub, in-process on the virtual clock: a scripted sequence of
 the job's messages (shifts, the planner's decision, the trainer's state, load, step reports,
 a restart) becomes the expected records, published in batches, appended to events.jsonl
-(each line decodes as an ``EventRecord``), and a watcher that joins late gets the snapshot."""
+(each line decodes as an ``EventRecord``), and a watcher that joins late gets the snapshot.
+And what ``pivot stop`` asks of the Driver: finish the step in progress, checkpointed, or
+stop at once."""
 
 from __future__ import annotations
 
 import msgspec
 
+from pivot.actors.checkpoints import Checkpoints
 from pivot.actors.driver import Scores, StepReport
 from pivot.actors.event_hub import EventHub
 from pivot.actors.messages import (
@@ -16,6 +19,8 @@ from pivot.actors.messages import (
     QueryStatus,
     ReplicaLoad,
     SchedulerStatus,
+    StopAccepted,
+    StopJob,
 )
 from pivot.actors.monitor import Monitor
 from pivot.actors.shift_messages import (
@@ -47,6 +52,8 @@ from pivot.events import (
     StepDone,
     TrainerPhase,
 )
+from pivot.job import JobConfig, RolloutSection
+from tests.actors.test_rollout_actors import _cluster
 
 
 class Scheduler(Actor):
@@ -262,3 +269,54 @@ def test_the_hub_turns_the_jobs_messages_into_records_a_late_watcher_catches_up(
     assert [s.step for s in snapshot.history if isinstance(s, StepDone)] == [0, 1, 2, 3]
     assert sum(isinstance(r, Alert) for r in snapshot.history) == 4
     assert snapshot.events == len(on_file)
+
+
+def test_start_up_names_what_it_waits_for_once_per_change():
+    hub = EventHub(0.0, steps=2)
+    hub.expect_children(
+        0.0, [("loading models", ["agent-0", "agent-1"]), ("building DeepSpeed", ["trainer"])]
+    )
+    for t, child in enumerate(["rollout-scheduler", "agent-0", "agent-1", "trainer"], start=1):
+        hub.supervised(SupervisorEvent(float(t), child, "started"))
+    details = [(r.t, r.detail) for r in hub.flush() if isinstance(r, JobPhase)]
+    assert details == [
+        (0.0, "loading models (0/2 up)"),
+        (2.0, "loading models (1/2 up)"),
+        (3.0, "building DeepSpeed (0/1 up)"),
+    ]
+
+
+def _stopped_job(tmp_path, now: bool):
+
+    job = JobConfig(steps=50, rollout=RolloutSection(prompts_per_step=2, samples_per_prompt=2))
+
+    async def main(clock):
+        bus = Bus.local(rl_messages(), transport=LocalTransport(), clock=clock)
+        actors, _, driver = _cluster(bus, job, replicas=1, trainer=True)
+        driver.checkpoints = Checkpoints(tmp_path, last_step=job.steps - 1)
+        operator = Actor("operator", bus)
+        for actor in (*actors, driver, operator):
+            await actor.start()
+        while not driver.reports:
+            await clock.sleep(0.1)
+        accepted = await operator.request("driver", StopJob(now=now), expect=StopAccepted)
+        await driver.finished.wait()
+        for actor in (operator, driver, *reversed(actors)):
+            await actor.stop()
+        return accepted, [r.step for r in driver.reports], driver.reports[-1]
+
+    return run_virtual(main)
+
+
+def test_a_stopped_job_finishes_its_step_with_a_checkpoint(tmp_path):
+    accepted, steps, last = _stopped_job(tmp_path, now=False)
+    assert accepted.step >= 1 and steps == list(range(accepted.step + 1)) and steps[-1] < 49
+    assert last.checkpoint == accepted.checkpoint
+    assert (tmp_path / f"step-{accepted.step:06d}" / "state.json").is_file()
+
+
+def test_stop_now_abandons_the_step(tmp_path):
+    accepted, steps, last = _stopped_job(tmp_path, now=True)
+    assert (accepted.step, accepted.checkpoint) == (-1, "")
+    assert last.checkpoint is None and steps == [0]  # the step in progress never reported
+    assert not list(tmp_path.glob("step-*"))
