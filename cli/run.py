@@ -54,7 +54,7 @@ from pivot.bus.statsfile import BusStatsFile, read_stats_dir, trouble
 from pivot.bus.supervisor import ChildDidNotStart, SupervisorEscalation
 from pivot.cli.inputs import EVAL_IDS, Inputs, read_inputs
 from pivot.cli.interrupts import Interrupted, signal_of
-from pivot.cli.jobfile import JOB_FILE, RUNNING, STARTING, JobFile
+from pivot.cli.jobfile import RUNNING, STARTING, JobFile
 from pivot.cli.live import LiveView
 from pivot.cli.plot import plot_run
 from pivot.cli.resume import (
@@ -169,7 +169,7 @@ class Job:
         self.assembly: Assembly | None = None
         self.monitor: Monitor | None = None  # once the job's actors are made
         self.events: EventHub | None = None  # likewise
-        self.job_file: JobFile | None = None  # once the actors run
+        self.job_file: JobFile | None = None  # RUN/job.json, once run() starts
         # ipc paths must stay under ~100 bytes: sockets live in a short temporary folder; those
         # of runs killed before they could remove theirs go now
         remove_orphaned_socket_dirs()
@@ -496,9 +496,6 @@ class Job:
                 id_base=EVAL_IDS,
             )
         return source, evaluation
-
-
-__all__ = ["JOB_FILE", "Job", "main", "prepare"]  # JOB_FILE: pivot.cli.jobfile's
 
 
 def write_plot(runner: Job | None, run_dir: Path, kind: str) -> Path | None:

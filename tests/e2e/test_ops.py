@@ -1,11 +1,13 @@
 """The operator's verbs on a real short job (the tiny config, small batches): while it runs
-`pivot ps` lists it with its step k/N; `pivot stop` stops it after the step it is in, with a
+`pivot ps` lists it with its step k/N, and a watcher attached from another process gets the
+snapshot and the live event batches; `pivot stop` stops it after the step it is in, with a
 checkpoint, and the job exits 0 with state ``stopped``; `pivot logs --actor driver` prints
 readable lines of that actor only; events.jsonl holds its steps, device maps and phases.
 A job whose process is gone without saying so reads as ``dead``."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -17,9 +19,13 @@ from pathlib import Path
 
 import msgspec
 
+from pivot.actors.assembly import MONITOR
+from pivot.actors.messages import EventBatch, EventSnapshot, QueryEvents
+from pivot.actors.vocabulary import EVENTS_TOPIC
 from pivot.cli.jobfile import JOB_FILE, JobFile, job_state, read_job
+from pivot.cli.jobs import Attached
 from pivot.cli.main import main
-from pivot.events import DeviceMap, EventRecord, JobPhase, StepDone
+from pivot.events import DeviceMap, EventRecord, JobPhase, RoleRate, StepDone
 
 PIVOT = [sys.executable, "-m", "pivot.cli.main"]
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny.toml"
@@ -32,6 +38,16 @@ SMALL = (
     "reward.kind=exact",  # the checker scores: every step trains, so each can checkpoint
     "log.tensorboard=false",
 )
+
+
+async def _watch(run_dir: Path) -> tuple[EventSnapshot, list]:
+    async with Attached(run_dir, name="watcher") as job:
+        live = job.actor.subscribe(EVENTS_TOPIC, publishers=MONITOR)
+        snapshot = await job.actor.request(
+            MONITOR, QueryEvents(), expect=EventSnapshot, timeout=30.0
+        )
+        await asyncio.sleep(2.0)  # a few of the monitor's 0.5 s batches
+        return snapshot, [pub.message for pub in live.drain()]
 
 
 def test_ps_stop_and_logs_on_a_running_job(tmp_path, capsys, monkeypatch):
@@ -68,6 +84,14 @@ def test_ps_stop_and_logs_on_a_running_job(tmp_path, capsys, monkeypatch):
         assert fields[:2] == ["runs/job", str(job.pid)]
         assert re.fullmatch(rf"\d+/{STEPS}", fields[2]) and int(fields[2].split("/")[0]) >= 1
         assert fields[3:5] == ["pivot", "running"]
+
+        # a watcher from another process: the snapshot, then the live batches
+        snapshot, batches = asyncio.run(_watch(run_dir))
+        state = {type(r): r for r in snapshot.state}
+        assert state[JobPhase].phase == "running" and set(state[DeviceMap].roles) == {0, 1, 2, 3}
+        assert any(isinstance(r, StepDone) for r in snapshot.history)
+        assert batches and all(isinstance(b, EventBatch) for b in batches)
+        assert any(isinstance(r, RoleRate) for b in batches for r in b.events)
 
         stop = pivot("stop", "job")
         assert stop.returncode == 0, stop.stderr
