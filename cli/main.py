@@ -103,8 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_run)
 
-    from pivot.cli import journal, newmodel, report, simulate
+    from pivot.cli import journal, newmodel, ops, report, simulate
 
+    ops.add_parsers(sub)
     simulate.add_parser(sub)
     report.add_parser(sub)
     journal.add_parser(sub)

@@ -9,8 +9,6 @@ replayed. Textual is imported only when the command runs (``pivot --help`` stays
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,34 +29,10 @@ def newest_run(root: Path = RUNS) -> Path:
     return max(runs, key=lambda p: (p.stat().st_mtime, p.name))
 
 
-def _alive(pid: Any) -> bool:
-    try:
-        os.kill(int(pid), 0)
-    except (ProcessLookupError, ValueError, TypeError):
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def running_job(run_dir: Path) -> dict | None:
     """The job file of a job that runs now, else None (none, ended, or its process died)."""
-    try:
-        # the events branch's job-file module: stdlib only, and it knows a job whose process
-        # died without saying so
-        from pivot.cli.jobfile import RUNNING, job_state, read_job
-    except ImportError:
-        # before it lands (integrator: drop this branch and _alive then): the name is
-        # cli/run.py's, whose import costs torch's
-        from pivot.cli.run import JOB_FILE
+    from pivot.cli.jobfile import RUNNING, job_state, read_job
 
-        try:
-            info = json.loads((run_dir / JOB_FILE).read_text())
-        except (OSError, ValueError):
-            return None
-        if info.get("state") != "running" or not _alive(info.get("pid")):
-            return None
-        return info
     info = read_job(run_dir)
     return info if info is not None and job_state(info) == RUNNING else None
 
