@@ -85,7 +85,7 @@ from pivot.engines.checkpoint import (
 )
 from pivot.engines.protocol import SamplingParams
 from pivot.engines.tokenizer import TextCodec
-from pivot.events import EVENTS_FILE
+from pivot.events import EVENTS_FILE, DeviceMap, JobPhase
 from pivot.job import JobConfig
 from pivot.memory import estimate_memory, gib
 from pivot.planning.cost import CostModel
@@ -246,6 +246,12 @@ class Job:
         def write_events(records) -> None:  # noqa: ANN001 - pivot.events records
             events.write(b"".join(msgspec.json.encode(r) + b"\n" for r in records))
             events.flush()
+            if self.view is not None:  # the panel's device map, one cell per device
+                for record in records:
+                    if isinstance(record, DeviceMap):
+                        self.view.on_devices(record.roles)
+                    elif isinstance(record, JobPhase) and record.detail:
+                        self.view.phase(record.detail)
 
         hub = self.events = EventHub(
             self.bus.clock.now(),
