@@ -65,7 +65,13 @@ CALLS: tuple[Call, ...] = (
     Call(_TM, "TokenizerManager", "begin_weight_update", ("obj", "request"), True),
     Call(_TM, "TokenizerManager", "end_weight_update", ("obj", "request"), True),
     Call(_TM, "TokenizerManager", "get_internal_state", (), True),
-    Call("sglang.srt.utils.common", "MultiprocessingSerializer", "serialize", ("obj",), False),
+    Call(
+        "sglang.srt.utils.common",
+        "MultiprocessingSerializer",
+        "serialize",
+        ("obj", "output_str"),
+        False,
+    ),
 )
 
 #: request classes and the fields the backend sets on them (keywords of their constructor)
