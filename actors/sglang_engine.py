@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import importlib.util
 import itertools
 import threading
 import time
@@ -74,7 +75,6 @@ from pivot.engines.protocol import (
     TokenEvent,
     as_context_kinds,
 )
-from pivot.engines.stepping import seed_at
 
 #: the memory tag of each kind of role context SGLang can release
 TAGS: dict[ContextKind, str] = {
@@ -87,6 +87,16 @@ _EMA = 0.1  # weight of the newest step in the mean step latency, as the torch e
 
 class SGLangMissing(ImportError):
     """SGLang is not installed in this environment; the message says how to get it."""
+
+
+def sglang_missing() -> str | None:
+    """Why SGLang cannot be imported here (None: it can), without importing it (seconds)."""
+    try:
+        if importlib.util.find_spec("sglang") is None:
+            return "no module named 'sglang' is installed"
+    except (ImportError, ValueError) as exc:
+        return f"sglang cannot be found: {exc}"
+    return None
 
 
 def real_api() -> SimpleNamespace:
@@ -459,6 +469,8 @@ class SGLangEngine:
             raise ValueError(f"sequence {seq_id!r}: generated_ids already end with a stop token")
         seed = sampling.seed
         if seed is None:
+            from pivot.engines.stepping import seed_at  # torch: only with the engine's own seeds
+
             seed = seed_at(self._seed, self._seeded) >> 1
             self._seeded += 1
         s = _Seq(

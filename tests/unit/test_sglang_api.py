@@ -64,3 +64,10 @@ def test_a_missing_wheel_is_one_line_and_exit_2(checker, tmp_path, capsys):
     assert checker.main([str(tmp_path / "nothing.whl")]) == 2
     [line] = capsys.readouterr().err.splitlines()
     assert "nothing.whl: no such wheel or folder" in line
+
+
+def test_the_gpu_extra_pins_the_version_the_table_is_written_against():
+    import tomllib
+
+    pyproject = tomllib.loads((SCRIPT.parents[1] / "pyproject.toml").read_text())
+    assert pyproject["project"]["optional-dependencies"]["gpu"] == [f"sglang=={sglang_surface.PIN}"]

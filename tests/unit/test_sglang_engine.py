@@ -166,3 +166,22 @@ def test_the_fake_has_each_request_field_and_name_of_the_table():
 def test_the_fake_refuses_engine_keywords_the_table_does_not_list():
     with pytest.raises(TypeError, match="not in sglang_surface"):
         fake_sglang.api().Engine(model_path="m", skip_tokenizer_init=True, tp_sise=2)
+
+
+def test_an_agent_of_engine_sglang_serves_each_role_with_sglang_on_its_gpu(monkeypatch):
+    from pivot.actors import sglang_engine
+    from pivot.actors.agent import engines_for
+    from pivot.assets import ASSETS
+
+    monkeypatch.setattr(sglang_engine, "real_api", lambda: fake_sglang.api(vocab_size=512))
+    folders = {"rollout": ASSETS / "tiny-policy", "reward": ASSETS / "tiny-genrm"}
+    engines, _ = engines_for(
+        folders, {}, reader_name="agent-3", engine="sglang", device=3, max_running=8, seed=1
+    )
+    for role, engine in engines.items():
+        assert isinstance(engine, SGLangEngine)
+        args = engine._engine.server_args
+        assert args["model_path"] == str(folders[role])
+        assert (args["base_gpu_id"], args["mem_fraction_static"]) == (3, 0.4)
+        assert args["max_running_requests"] == 8 and args["enable_memory_saver"]
+        engine.close()
