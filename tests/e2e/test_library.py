@@ -53,7 +53,9 @@ def test_a_run_in_this_process_steps_by_hand_and_an_attached_client_generates_an
     run_dir = tmp_path / "run"
 
     async def main():
-        async with pivot.Run(config, rollout=two_turns, run_dir=run_dir, steps_by_hand=True) as run:
+        async with pivot.Run(
+            config, rollout=two_turns, run_dir=run_dir, steps_by_hand=True
+        ) as run:
             first = await run.step()
             assert (run_dir / "job.json").is_file()
             async with pivot.attach(run_dir) as job:
