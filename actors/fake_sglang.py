@@ -23,6 +23,7 @@ running, unless paused in ``retract`` mode. Request objects are plain keyword da
 from __future__ import annotations
 
 import asyncio
+import itertools
 import pickle
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -101,14 +102,26 @@ class FlushCacheReqOutput:
     message: str = ""
 
 
+_shared: dict[int, Any] = {}  # what serialized payloads hand over, by handle
+_handles = itertools.count()
+
+
 class MultiprocessingSerializer:
+    """As SGLang's (a ForkingPickler): a payload hands its tensors over once, as a CPU
+    tensor's shared-memory handle is taken by the one process that unpickles it."""
+
     @staticmethod
     def serialize(obj: Any, output_str: bool = False) -> bytes:
-        return pickle.dumps(obj)
+        handle = next(_handles)
+        _shared[handle] = obj
+        return pickle.dumps(handle)
 
     @staticmethod
     def deserialize(data: bytes) -> Any:
-        return pickle.loads(data)
+        handle = pickle.loads(data)
+        if handle not in _shared:
+            raise RuntimeError("fake sglang: a payload's tensors were already taken")
+        return _shared.pop(handle)
 
 
 # ---- the engine -------------------------------------------------------------------------------
@@ -312,8 +325,11 @@ class TokenizerManager:
             return False, "weights are released"
         if len(obj.serialized_named_tensors) != self.tp_size:
             return False, f"{len(obj.serialized_named_tensors)} payloads for tp {self.tp_size}"
-        for payload in obj.serialized_named_tensors:
-            named = MultiprocessingSerializer.deserialize(payload)
+        for payload in obj.serialized_named_tensors:  # one per TP rank
+            try:
+                named = MultiprocessingSerializer.deserialize(payload)
+            except RuntimeError as exc:
+                return False, str(exc)
             if not all(isinstance(name, str) for name, _ in named):
                 return False, "tensor names must be strings"
         self.weights_valid = True

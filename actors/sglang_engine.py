@@ -291,7 +291,9 @@ class SGLangEngine:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def close(self) -> None:
-        """Abort everything, shut SGLang down (its processes and GPU context) and the loop."""
+        """Abort everything, shut SGLang down (its processes and GPU context) and the loop.
+        SGLang's shutdown kills every child process of this one: close an agent's engines
+        together, when it exits."""
         if not self._thread.is_alive():
             return
         try:
@@ -419,11 +421,15 @@ class SGLangEngine:
             await tm.pause_generation(api.PauseGenerationReqInput(mode=PAUSE_MODE))
         try:
             await self._session(tm.begin_weight_update(api.BeginWeightUpdateReqInput(), None))
-            payload = api.MultiprocessingSerializer.serialize(tensors)
+            # one payload per TP rank, as Engine.update_weights_from_tensor makes them: a
+            # shared tensor's handle is taken once, by the rank that unpickles it
+            payloads = [
+                api.MultiprocessingSerializer.serialize(tensors) for _ in range(self._tp_size)
+            ]
             await self._session(
                 tm.update_weights_from_tensor(
                     api.UpdateWeightsFromTensorReqInput(
-                        serialized_named_tensors=[payload] * self._tp_size,
+                        serialized_named_tensors=payloads,
                         load_format=None,
                         flush_cache=True,
                         weight_version=str(version),

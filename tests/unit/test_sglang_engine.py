@@ -57,6 +57,12 @@ def test_a_weight_update_with_sequences_running_is_made_while_paused_in_retract_
     ]
 
 
+def test_a_weight_update_sends_one_payload_per_tensor_parallel_rank():
+    engine = SGLangEngine.launch("fake/tiny", api=fake_sglang.api(), tp_size=2)
+    engine.load_weights(WEIGHTS, 1)  # the fake refuses a payload count other than tp_size
+    assert engine.stats().weights_version == 1 and _tm(engine).weight_version == "1"
+
+
 def test_weights_resumed_serve_only_once_every_parameter_is_loaded():
     engine = launch()
     engine.release(["weights"])
