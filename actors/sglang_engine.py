@@ -64,6 +64,7 @@ from pivot.engines.context import RoleContext, checked_add
 from pivot.engines.protocol import (
     ContextKind,
     EngineError,
+    EngineNotServing,
     EngineStats,
     FinishedSequence,
     FinishReason,
@@ -190,31 +191,13 @@ class SGLangEngine:
         if wait_s <= 0:
             raise ValueError(f"wait_s must be > 0, got {wait_s}")
         self._api = api
-        self._seed = seed
-        self._seeded = 0
-        self._ids = itertools.count()
+        self._ids = itertools.count()  # request ids, unique for the SGLang engine's life
         self.wait_s = wait_s
         self.abort_wait_s = abort_wait_s
-        self.weights_version = weights_version
         self._param_names = frozenset(param_names) if param_names is not None else None
-        self._loaded_names: set[str] = set()
         self._clock = clock
         self._tp_size = int(engine_kwargs.get("tp_size", 1))
-        self._seqs: dict[SeqId, _Seq] = {}
-        self._cond = threading.Condition()
-        self._pending_tags: set[str] = set()  # released while busy, sent once idle
-        self._steps = 0
-        self._generated = 0
-        self._last_step_s = 0.0
-        self._mean_step_s = 0.0
-        self._context = RoleContext(
-            held_sequences=lambda: len(self._seqs),
-            free_transient=lambda: self._memory("release", [TAGS[ContextKind.TRANSIENT]]),
-            allocate_transient=self._resume_cache,
-            free_weights=lambda: self._memory("release", [TAGS[ContextKind.WEIGHTS]]),
-            allocate_weights=self._resume_weights,
-            unloaded=self._unloaded,
-        )
+        self._reset(seed, weights_version)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="sglang-engine-loop", daemon=True
@@ -239,6 +222,41 @@ class SGLangEngine:
         self.max_seq_len = int(self._tm.context_len)
         self.max_running = self.memory.max_running
 
+    def _reset(self, seed: int, weights_version: int) -> None:
+        """The protocol's state: no sequences, counters from zero, all context held."""
+        self._seed = seed
+        self._seeded = 0
+        self.weights_version = weights_version
+        self._loaded_names: set[str] = set()
+        self._seqs: dict[SeqId, _Seq] = {}
+        self._cond = threading.Condition()
+        self._pending_tags: set[str] = set()  # released while busy, sent once idle
+        self._steps = 0
+        self._generated = 0
+        self._last_step_s = 0.0
+        self._mean_step_s = 0.0
+        self._context = RoleContext(
+            held_sequences=lambda: len(self._seqs),
+            free_transient=lambda: self._memory("release", [TAGS[ContextKind.TRANSIENT]]),
+            allocate_transient=self._resume_cache,
+            free_weights=lambda: self._memory("release", [TAGS[ContextKind.WEIGHTS]]),
+            allocate_weights=self._resume_weights,
+            unloaded=self._unloaded,
+        )
+
+    def fresh(self) -> SGLangEngine:
+        """A new engine on this one's SGLang engine and loop: the same weights and seed, no
+        sequences, counters from zero. Launching SGLang takes a minute, so the conformance
+        suite on a GPU makes its fresh engines this way. This one must hold all its context;
+        it aborts what it holds and is not used again."""
+        if self._context.released_kinds() or not self._context.weights_ready:
+            raise EngineNotServing("fresh() needs an engine that holds all its context")
+        self.abort(None)
+        new = object.__new__(SGLangEngine)
+        new.__dict__.update(self.__dict__)
+        new._reset(self._seed, self.weights_version)
+        return new
+
     @classmethod
     def launch(
         cls,
@@ -252,12 +270,15 @@ class SGLangEngine:
         max_running: int | None = None,
         max_seq_len: int | None = None,
         seed: int = 0,
+        deterministic: bool = False,
         **options: Any,
     ) -> SGLangEngine:
         """An engine serving the Hugging Face folder ``model_path`` on GPUs ``base_gpu_id``..
         ``base_gpu_id + tp_size - 1``: token ids in and out (no tokenizer in SGLang), memory
         saver on (release/resume), the pytorch sampling backend (the one that honours
-        ``sampling_seed`` with top-p). ``options`` go to ``SGLangEngine``."""
+        ``sampling_seed`` with top-p). ``deterministic``: SGLang's batch-invariant kernels
+        (the same output batched or alone, as the conformance suite asks). ``options`` go to
+        ``SGLangEngine``."""
         kwargs: dict[str, Any] = {
             "model_path": str(model_path),
             "tp_size": tp_size,
@@ -275,6 +296,8 @@ class SGLangEngine:
             kwargs["max_running_requests"] = max_running
         if max_seq_len is not None:
             kwargs["context_length"] = max_seq_len
+        if deterministic:
+            kwargs["enable_deterministic_inference"] = True
         return cls(api=api or real_api(), engine_kwargs=kwargs, seed=seed, **options)
 
     # ---- the engine's loop ---------------------------------------------------------------------

@@ -121,6 +121,7 @@ SERVER_ARGS: tuple[str, ...] = (
     "random_seed",
     "max_running_requests",
     "context_length",
+    "enable_deterministic_inference",
     "log_level",
 )
 SERVER_ARGS_PACKAGE = "sglang.srt.arg_groups.fields"

@@ -191,3 +191,26 @@ def test_an_agent_of_engine_sglang_serves_each_role_with_sglang_on_its_gpu(monke
         assert (args["base_gpu_id"], args["mem_fraction_static"]) == (3, 0.4)
         assert args["max_running_requests"] == 8 and args["enable_memory_saver"]
         engine.close()
+
+
+def test_fresh_engines_on_one_sglang_engine_pass_the_conformance_suite():
+    # as scripts/gpu_conformance.py runs the suite on a GPU, where a launch takes a minute
+    from pivot.engines.conformance import EngineFactory, check_engine
+
+    engines = [launch(iteration_s=0.001)]
+
+    def make() -> SGLangEngine:
+        engines.append(engines[-1].fresh())
+        return engines[-1]
+
+    check_engine(EngineFactory(name="sglang (fake, fresh)", make=make, weights=lambda: WEIGHTS))
+    assert len({id(e._engine) for e in engines}) == 1 and len(engines) > 10
+
+
+def test_fresh_needs_an_engine_holding_all_its_context():
+    from pivot.engines.protocol import EngineNotServing
+
+    engine = launch()
+    engine.release(["weights"])
+    with pytest.raises(EngineNotServing, match="holds all its context"):
+        engine.fresh()
