@@ -12,7 +12,8 @@ class; the pause mode is one ``PauseGenerationReqInput`` offers.
 
     python scripts/check_sglang_api.py [WHEEL_OR_DIR]
 
-Without an argument it takes the wheel from ~/.cache/pivot/wheels (PIVOT_WHEEL_CACHE),
+WHEEL_OR_DIR: a wheel, or a folder holding ``sglang/`` (an install's site-packages). Without
+an argument it takes the wheel from ~/.cache/pivot/wheels (PIVOT_WHEEL_CACHE),
 downloading it there first with ``pip download --no-deps sglang==PIN``. Exit 0: every entry
 holds; 1: the problems, one a line; 2: bad input.
 """
@@ -73,10 +74,12 @@ class Source:
         self._zip = zipfile.ZipFile(path) if path.is_file() else None
         self._trees: dict[str, ast.Module | None] = {}
 
-    def names(self) -> list[str]:
+    def names(self, prefix: str) -> list[str]:
+        """The files under ``prefix`` (a folder, "sglang/srt/" or "" for all in a wheel)."""
         if self._zip is not None:
-            return self._zip.namelist()
-        return [str(p.relative_to(self.path)) for p in self.path.rglob("*.py")]
+            return [n for n in self._zip.namelist() if n.startswith(prefix)]
+        root = self.path / prefix
+        return [str(p.relative_to(self.path)) for p in root.rglob("*") if p.is_file()]
 
     def read(self, name: str) -> str | None:
         if self._zip is not None:
@@ -88,8 +91,15 @@ class Source:
         return file.read_text(encoding="utf-8") if file.is_file() else None
 
     def version(self) -> str | None:
-        for name in self.names():
-            if name.endswith(".dist-info/METADATA"):
+        """The SGLang version of the wheel, or of the installed folder's dist-info."""
+        if self._zip is not None:
+            names = [n for n in self._zip.namelist() if n.endswith(".dist-info/METADATA")]
+        else:
+            names = [
+                str(p.relative_to(self.path)) for p in self.path.glob("sglang-*.dist-info/METADATA")
+            ]
+        for name in names:
+            if name.startswith("sglang-"):
                 for line in (self.read(name) or "").splitlines():
                     if line.startswith("Version:"):
                         return line.split(":", 1)[1].strip()
@@ -103,9 +113,8 @@ class Source:
         return self._trees[dotted]
 
     def package(self, dotted: str) -> Iterator[ast.Module]:
-        prefix = dotted.replace(".", "/") + "/"
-        for name in self.names():
-            if name.startswith(prefix) and name.endswith(".py"):
+        for name in self.names(dotted.replace(".", "/") + "/"):
+            if name.endswith(".py"):
                 tree = self.module(name[:-3].replace("/", "."))
                 if tree is not None:
                     yield tree
