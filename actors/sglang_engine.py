@@ -553,14 +553,14 @@ class SGLangEngine:
                 raise EngineError("; ".join(f"sequence {s.seq_id!r}: {s.failure}" for s in failed))
             events, finished, admitted = [], [], []
             for s in list(self._seqs.values()):
-                if s.available == 0:
-                    continue
-                if s.released == 0:
-                    admitted.append(s)
-                tok, lp = s.ids[s.released], s.logprobs[s.released]
-                s.released += 1
-                events.append(TokenEvent(s.seq_id, tok, lp))
-                if s.finish is not None and s.available == 0:
+                if s.available:
+                    if s.released == 0:
+                        admitted.append(s)
+                    tok, lp = s.ids[s.released], s.logprobs[s.released]
+                    s.released += 1
+                    events.append(TokenEvent(s.seq_id, tok, lp))
+                # its last token out, in this step or (its finish came after it) before
+                if s.finish is not None and s.available == 0 and s.released:
                     ids, lps = s.output(s.released)
                     reason = FinishReason(s.finish["type"])
                     finished.append(FinishedSequence(s.seq_id, ids, lps, reason))
@@ -590,8 +590,8 @@ class SGLangEngine:
         waiting one has its first."""
         running = [s for s in self._seqs.values() if s.released > 0]
         if running:
-            return all(s.available > 0 or s.failure is not None for s in running)
-        return any(s.available > 0 or s.failure is not None for s in self._seqs.values())
+            return all(s.available or s.finish or s.failure for s in running)
+        return any(s.available or s.failure for s in self._seqs.values())
 
     def load_weights(self, named_tensors: NamedTensors, version: int) -> None:
         """Copy in parameters (checkpoint names) with generation paused around the update;
@@ -632,11 +632,14 @@ class SGLangEngine:
             self._memory("release", tags)
 
     def stats(self) -> EngineStats:
-        running = [s for s in self._seqs.values() if s.released > 0]
+        with self._cond:  # a step may be changing the sequences in another thread
+            running = [s for s in self._seqs.values() if s.released > 0]
+            held = len(self._seqs)
+            kv_tokens = sum(len(s.prompt) + len(s.handed_ids) + s.released for s in running)
         return EngineStats(
             running=len(running),
-            waiting=len(self._seqs) - len(running),
-            kv_tokens=sum(len(s.prompt) + len(s.handed_ids) + s.released for s in running),
+            waiting=held - len(running),
+            kv_tokens=kv_tokens,
             kv_capacity_tokens=self.memory.kv_capacity_tokens,
             max_running=self.max_running,
             steps=self._steps,

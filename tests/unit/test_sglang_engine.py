@@ -214,3 +214,24 @@ def test_fresh_needs_an_engine_holding_all_its_context():
     engine.release(["weights"])
     with pytest.raises(EngineNotServing, match="holds all its context"):
         engine.fresh()
+
+
+def test_the_gpu_conformance_script_dry_runs_on_the_fake(capsys):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "gpu_conformance.py"
+    spec = importlib.util.spec_from_file_location("gpu_conformance", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--fake"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["passed"] and set(out["checks"]) == {
+        "check_generate",
+        "check_stream",
+        "check_abort",
+        "check_reprefill",
+        "check_release_resume",
+        "check_load_weights",
+    }
