@@ -52,6 +52,7 @@ import importlib.util
 import itertools
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -121,6 +122,10 @@ class SGLangMemory(msgspec.Struct, frozen=True):
     cuda_graph_gb: float
     kv_capacity_tokens: int
     max_running: int
+
+
+class _Lifetime:
+    """A token the engines on one loop share (see ``SGLangEngine.__init__``)."""
 
 
 @dataclass(eq=False)
@@ -203,6 +208,10 @@ class SGLangEngine:
             target=self._loop.run_forever, name="sglang-engine-loop", daemon=True
         )
         self._thread.start()
+        # the loop's lifetime: shared by the engines fresh() makes on it; when the last of them
+        # is collected, the loop stops and its thread ends (close() shuts SGLang down too)
+        self._lifetime = _Lifetime()
+        weakref.finalize(self._lifetime, self._loop.call_soon_threadsafe, self._loop.stop)
         try:
             self._engine = self._call(self._build(dict(engine_kwargs)))
             self._tm = self._engine.tokenizer_manager
