@@ -13,7 +13,9 @@ thread of its own: the ``Engine`` is built on it and every call goes to its
 ``update_weights_from_tensor``, ...), never to the ``Engine``'s sync methods. The protocol's
 methods stay synchronous and post to that loop, so the agent drives this engine as it drives
 the torch engine (``Threaded`` stepping: ``step`` in a worker thread, the rest on the actor's
-loop under its engine lock) and so does the conformance suite, with no seam added.
+loop under its engine lock) and so does the conformance suite, with no seam added. (Awaiting
+them on the actor's own loop would need an asynchronous variant of the protocol and a
+stepping strategy for it, and would still leave the conformance suite, which has no loop.)
 
 Each sequence is one streamed ``generate_request`` (token ids in and out, logprobs,
 ``sampling_seed``), run as a task on the engine's loop, which accumulates the chunks itself:
@@ -36,6 +38,15 @@ sequences held is sent once the engine is idle. ``load_weights`` pauses generati
 (``retract``: requests keep their output and re-prefill on continue, with the cache flushed of
 the old weights), opens a weight-update session, sends the tensors
 (``update_weights_from_tensor``, one serialized payload per TP rank), closes it and continues.
+
+The memory figures (``memory``: weights, KV cache and CUDA graph GB, KV capacity in tokens,
+the running-request limit) are ``get_internal_state()``'s, read at launch (what the Engine's
+sync ``get_server_info`` reports as ``internal_states``).
+
+Not yet seen on a GPU (``scripts/gpu-check.sh`` runs the conformance suite there): that a
+matched stop token is the last of ``output_ids``, that the returned logprobs are under the
+temperature-scaled distribution, and two engines (rollout and GenRM) in one agent process,
+where SGLang keeps process-wide configuration.
 
 ``SGLangEngine.launch(model_path, ...)`` imports SGLang lazily (``real_api``); without it,
 ``SGLangMissing`` says so in one line. Tests build it on the test kit's fake SGLang
