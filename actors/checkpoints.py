@@ -133,6 +133,10 @@ class Checkpoints:
     def _name(self, step: int) -> str:
         return f"{_PREFIX}{step:06d}"
 
+    def folder(self, step: int) -> Path:
+        """Where step ``step``'s checkpoint is once complete."""
+        return self.root / self._name(step)
+
     def stage(self, step: int) -> Path:
         """An empty staging folder for step ``step``'s checkpoint."""
         staging = self.root / f"{_STAGING}{self._name(step)}"
@@ -148,7 +152,7 @@ class Checkpoints:
             f.write(msgspec.json.encode(state))
             f.flush()
             os.fsync(f.fileno())
-        final = self.root / self._name(state.step)
+        final = self.folder(state.step)
         if final.exists():  # a run resumed from before this step wrote it once already
             shutil.rmtree(final)
         os.replace(staging, final)

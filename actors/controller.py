@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
@@ -66,6 +67,7 @@ from pivot.actors.shift_messages import (
     Evacuate,
     Evacuated,
     MigrateSequences,
+    PlannerDecided,
     QueryAllocation,
     QueryLoad,
     Register,
@@ -128,6 +130,45 @@ class ControllerSettings(ConfigStruct, kw_only=True):
         "weights",
     )
     planner: PlannerSettings = PlannerSettings()
+    # publish the latest decision for watchers (PlannerDecided) when it changes, and at
+    # least this often while it does not (0: never; a simulation has no watcher)
+    decisions_every_s: Seconds = 0.0
+
+
+_DIGITS = re.compile(r"[-+]?[\d.]+(e[-+]?\d+)?")
+
+
+def decision_kind(told: PlannerDecided) -> tuple:
+    """What makes a published decision new: what it says, not its figures (a cooldown
+    counts down in its reason every tick). A shift is new whatever it says."""
+    return (told.acted, tuple(told.bottleneck), _DIGITS.sub("#", told.reason), told.candidate)
+
+
+def decided(decision: Decision, horizon_s: float, at: float) -> PlannerDecided:
+    """``decision`` as watchers read it: the plan's figures when it acted, else its best
+    candidate's (the highest L), and its reason."""
+    plan = decision.plan
+    best = max(decision.candidates, key=lambda c: c.score, default=None)
+    if plan is not None:
+        wakes = sum(len(m.devices) for m in plan.wakes)
+        candidate = f"{plan.kind}: {Role(plan.receiver).value} +{wakes}"
+        figures = (plan.delta_throughput, plan.phi, plan.expected_gain)
+    elif best is not None:
+        candidate = f"{Role(best.receiver).value} +{best.wakes} ({best.victims} victims)"
+        figures = (best.delta_throughput, best.phi, best.score)
+    else:
+        candidate, figures = "", (0.0, 0.0, 0.0)
+    return PlannerDecided(
+        bottleneck=[Role(r).value for r in decision.bottleneck],
+        acted=plan is not None,
+        reason=decision.reason,
+        candidate=candidate,
+        horizon_s=horizon_s,
+        delta_throughput=figures[0],
+        phi=figures[1],
+        score=figures[2],
+        at=at,
+    )
 
 
 def open_journal(path: str | Path, *, fsync: bool = True) -> Journal:
@@ -173,6 +214,7 @@ class Controller(Actor):
         self.shift: ShiftTransaction | None = None
         self.shifts_done = 0
         self.last_decision: Decision | None = None
+        self._told: tuple[tuple | None, float] = (None, 0.0)  # the kind published last, when
         self.journal_problems: list[str] = []
         self.recovery_problems: list[str] = []
         self._next_txn = 1
@@ -288,10 +330,23 @@ class Controller(Actor):
             return None
         decision = self.planner.decide(snapshot)
         self.last_decision = decision
+        if self.settings.decisions_every_s > 0:
+            await self._tell_decision(decision)
         if decision.plan is not None:
             self.log.info("shift planned", reason=decision.reason, kind=decision.plan.kind)
             await self.execute(decision.plan, decision.reason)
         return decision
+
+    async def _tell_decision(self, decision: Decision) -> None:
+        """Publish ``decision`` for watchers when it says something new, or when the last
+        one published is ``decisions_every_s`` old (one per tick at most: one per plan)."""
+        told = decided(decision, self.settings.planner.horizon_s, self.clock.now())
+        kind = decision_kind(told)
+        last, at = self._told
+        if not told.acted and kind == last and told.at - at < self.settings.decisions_every_s:
+            return
+        self._told = (kind, told.at)
+        await self.publish(SHIFT_TOPIC, told)
 
     # --- monitor ----------------------------------------------------------------------------
 

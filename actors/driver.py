@@ -32,7 +32,7 @@ back, and the step's report keeps that (``trainer_restart``).
            before_first_step=None, startup_timeout=300.0, request_timeout=30.0,
            stall_timeout=None,
            train_timeout=600.0)
-        .reports, .finished (asyncio.Event), .policy_version
+        .reports, .finished (asyncio.Event), .policy_version, .stop_after
         .oldest_open_stage() -> "rollout" | "reward" | None
 """
 
@@ -55,6 +55,8 @@ from pivot.actors.messages import (
     GenerateRequest,
     QueryStatus,
     SchedulerStatus,
+    StopAccepted,
+    StopJob,
     SubmitTrajectories,
     Work,
 )
@@ -287,6 +289,9 @@ class Driver(Actor):
         self._progress = asyncio.Event()  # a step was done
         # completions of no batch in flight (a late delivery after its batch trained)
         self.unknown_completions = 0
+        # ``StopJob``: the job ends after this step (checkpointed); -1: at once
+        self.stop_after: int | None = None
+        self._training: tuple[int, bool] | None = None  # the step training, checkpointed?
 
     # -- completions from both stages
 
@@ -333,6 +338,26 @@ class Driver(Actor):
         if batch is not None:
             self._take_inbox(batch)
         return Ack(count=sum(len(g) for g in msg.groups))
+
+    @handles
+    def stop_job(self, msg: StopJob) -> StopAccepted:
+        """``pivot stop``: finish the step in progress (the oldest not yet trained; before
+        the first, the first), checkpoint it where there is a trainer and checkpoints, and
+        end (``finished`` is set); a step whose training already began without a checkpoint
+        is followed by one more, which gets it. ``now``: end at once, abandoning the step."""
+        if msg.now:
+            self.stop_after = -1
+            self.finished.set()
+            return StopAccepted(step=-1)
+        step = min(self._open, default=self._trained)
+        if self._training == (step, False):
+            step += 1  # it trains already without a checkpoint: the next step gets one
+        if self.stop_after is None or self.stop_after < 0 or step < self.stop_after:
+            self.stop_after = step
+        checkpoint = ""
+        if self.trainer is not None and self.checkpoints is not None:
+            checkpoint = str(self.checkpoints.folder(self.stop_after))
+        return StopAccepted(step=self.stop_after, checkpoint=checkpoint)
 
     def _rolling_out(self) -> _Batch | None:
         """The newest training batch submitted and not yet scored."""
@@ -524,7 +549,9 @@ class Driver(Actor):
             if self.trainer is not None and request is not None:
                 if self.on_batch_ready is not None:
                     await self.on_batch_ready()
-                due = self.checkpoints is not None and self.checkpoints.due(batch.step)
+                due = self.checkpoints is not None and (
+                    self.checkpoints.due(batch.step) or batch.step == self.stop_after
+                )
                 if due:
                     staged = self.checkpoints.stage(batch.step)
                     request = msgspec.structs.replace(request, checkpoint=str(staged))
@@ -532,6 +559,7 @@ class Driver(Actor):
                     request = msgspec.structs.replace(
                         request, version=self.policy_version, max_staleness=self.staleness
                     )
+                self._training = (batch.step, due)
                 reply = await self.request(self.trainer, request, timeout=self.train_timeout)
                 restart = getattr(reply, "restart", None)
                 if restart is not None:
@@ -571,6 +599,9 @@ class Driver(Actor):
             self.reports.append(report)
             if self.on_step is not None:
                 self.on_step(report)
+            if self.stop_after is not None and step >= self.stop_after:
+                self.log.info("stopped as asked", step=step)
+                break
         self.finished.set()
 
     async def _submit_ahead(self) -> None:

@@ -16,6 +16,7 @@ import msgspec
 from pivot.bus import Message
 from pivot.engines.protocol import FinishReason, SamplingParams
 from pivot.engines.sim_engine import Placeholders
+from pivot.events import EventRecord
 from pivot.trajectory import Chunk, Generation, Trajectory
 
 PROTOCOL_VERSION = 1
@@ -198,3 +199,43 @@ class SubmitTrajectories(RLMessage, kw_only=True):
     They join the step now rolling out (or the next one) and train with it."""
 
     groups: list[list[Trajectory]]
+
+
+class StopJob(RLMessage, kw_only=True):
+    """``pivot stop``: end the job. Graceful: the Driver finishes the step in progress,
+    checkpoints it and stops; ``now``: it abandons the step and stops at once (what Ctrl-C
+    does, without the signal)."""
+
+    now: bool = False
+
+
+class StopAccepted(RLMessage, kw_only=True):
+    """The Driver will stop after ``step`` (-1: at once, or before its first step), writing
+    ``checkpoint`` ("" when none will be written: ``now``, or the job has no trainer)."""
+
+    step: int
+    checkpoint: str = ""
+
+
+# -- the job's events (pivot.events), for watchers: the Monitor publishes and answers them
+
+
+class EventBatch(RLMessage, kw_only=True):
+    """One monitor interval's new records, published on ``EVENTS_TOPIC`` (best effort)."""
+
+    events: list[EventRecord]
+
+
+class QueryEvents(RLMessage, kw_only=True):
+    """Ask the Monitor for its snapshot (a watcher that joins late)."""
+
+
+class EventSnapshot(RLMessage, kw_only=True):
+    """The latest record of each kind that describes state (job phase, device map, trainer
+    phase, latest decision, each role's latest rate) and the recent history (the last steps,
+    shift phases and alerts), oldest first: what a late joiner draws the same screen from.
+    ``events`` is the record count so far: a batch's records come after it."""
+
+    state: list[EventRecord]
+    history: list[EventRecord]
+    events: int = 0

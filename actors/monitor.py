@@ -6,16 +6,30 @@ sequences, and every ``interval`` seconds emits one ``RoleSample`` per inference
 controller it also follows the ``shift`` topic and keeps one ``ShiftMark`` per finished shift
 with the allocation it left (devices per role; a lent trainer pool's devices that no
 replica took yet count nowhere).
+
+With an ``EventHub`` (``pivot run``; a simulation has none) it is also the job's event hub:
+it feeds the hub what it follows (shifts, the planner's decisions, the trainer's state) and
+each role's rate and sequences, and every ``events_interval`` seconds flushes the hub's new
+records (to ``RUN/events.jsonl``) and publishes them as one ``EventBatch`` on
+``EVENTS_TOPIC``; it answers ``QueryEvents`` with the hub's snapshot.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from pivot.actors.messages import QueryStatus, ReplicaLoad, SchedulerStatus
+from pivot.actors.event_hub import EventHub
+from pivot.actors.messages import (
+    EventBatch,
+    EventSnapshot,
+    QueryEvents,
+    QueryStatus,
+    ReplicaLoad,
+    SchedulerStatus,
+)
 from pivot.actors.shift_messages import AllocationChanged, ShiftFinished, ShiftStarted
-from pivot.actors.vocabulary import LOAD_TOPIC, SHIFT_TOPIC
-from pivot.bus import Actor, Bus, BusError
+from pivot.actors.vocabulary import EVENTS_TOPIC, LOAD_TOPIC, SHIFT_TOPIC, TRAINER_TOPIC
+from pivot.bus import Actor, Bus, BusError, handles
 from pivot.cluster import Role
 from pivot.timeline import RateMeter, RoleSample, ShiftMark
 
@@ -70,6 +84,9 @@ class Monitor(Actor):
         controller: str | None = None,
         interval: float = 0.5,
         origin: float | None = None,
+        events: EventHub | None = None,
+        trainer: str | None = None,
+        events_interval: float = 0.5,
     ) -> None:
         super().__init__(name, bus)
         self.agents = agents
@@ -85,8 +102,21 @@ class Monitor(Actor):
         self.meter = RateMeter()
         self._marks = ShiftMarks()
         self._shift_sub = None
+        self.events = events
+        self.trainer = trainer  # whose TrainerState the hub follows
+        self.events_interval = events_interval
+        self._event_meter = RateMeter()  # the hub's rates: over its interval, not a sample's
+        self._trainer_sub = None
+
+    @handles
+    def query_events(self, msg: QueryEvents) -> EventSnapshot:
+        if self.events is None:
+            raise ValueError("this monitor keeps no events (no event hub)")
+        return self.events.snapshot()
 
     def _on_shift_event(self, msg: object) -> None:
+        if self.events is not None:
+            self.events.message(msg, self.clock.now())
         mark = self._marks.feed(msg, self.origin or 0.0)
         if mark is not None:
             self.shifts.append(mark)
@@ -97,6 +127,11 @@ class Monitor(Actor):
         if self._shift_sub is not None:  # what arrived since the last sample still counts
             for pub in self._shift_sub.drain():
                 self._on_shift_event(pub.message)
+        if self.events is not None:
+            if self._trainer_sub is not None:
+                for pub in self._trainer_sub.drain():
+                    self.events.message(pub.message, self.clock.now())
+            self.events.flush()  # to events.jsonl: the watchers go with the job
 
     async def run(self) -> None:
         loads = self.subscribe(LOAD_TOPIC, publishers=self.agents)
@@ -104,18 +139,28 @@ class Monitor(Actor):
             self.subscribe(SHIFT_TOPIC, publishers=self.controller) if self.controller else None
         )
         self._shift_sub = shifts
+        hub = self.events
+        if hub is not None and self.trainer is not None:
+            self._trainer_sub = self.subscribe(TRAINER_TOPIC, publishers=self.trainer)
         if self.origin is None:
             self.origin = self.clock.now()
         self.meter.sample(self.clock.now())
+        self._event_meter.sample(self.clock.now())
+        next_events = self.clock.now() + self.events_interval
+        sequences: dict[str, tuple[int, int]] = {}  # role -> running, queued
         while True:
             await self.clock.sleep(self.interval)
             if shifts is not None:
                 for pub in shifts.drain():
                     self._on_shift_event(pub.message)
+            if self._trainer_sub is not None:
+                for pub in self._trainer_sub.drain():
+                    hub.message(pub.message, self.clock.now())
             for pub in loads.drain():
                 if isinstance(pub.message, ReplicaLoad):
                     m = pub.message
                     self.meter.observe(m.replica, m.role, m.generated_tokens)
+                    self._event_meter.observe(m.replica, m.role, m.generated_tokens)
             now = self.clock.now()
             rates = self.meter.sample(now)
             batch = []
@@ -127,6 +172,7 @@ class Monitor(Actor):
                     outstanding = status.queued + status.running
                 except BusError:
                     continue  # a busy scheduler costs a sample, never the run
+                sequences[role] = (status.running, status.queued)
                 batch.append(
                     RoleSample(
                         t=now - self.origin,
@@ -138,3 +184,18 @@ class Monitor(Actor):
             self.samples.extend(batch)
             if self.on_sample is not None and batch:
                 self.on_sample(batch)
+            if hub is not None and now >= next_events:
+                next_events = now + self.events_interval
+                await self._publish_events(hub, now, sequences)
+
+    async def _publish_events(
+        self, hub: EventHub, now: float, sequences: dict[str, tuple[int, int]]
+    ) -> None:
+        rates = self._event_meter.sample(now)
+        for role in self.schedulers:
+            if role in sequences:
+                running, queued = sequences[role]
+                hub.rate(now, role, rates.get(role, 0.0), running, queued)
+        records = hub.flush()
+        if records:
+            await self.publish(EVENTS_TOPIC, EventBatch(events=records))

@@ -222,3 +222,19 @@ class ShiftFinished(RLMessage, kw_only=True):
 class AllocationChanged(RLMessage, kw_only=True):
     replicas: list[Move]
     at: float
+
+
+class PlannerDecided(RLMessage, kw_only=True):
+    """The Controller's latest decision, for watchers (published on ``shift`` when it changes,
+    or every few seconds, at most once a tick): the bottleneck roles, the best candidate's
+    figures (L = H * dT - Phi, in tokens), and whether it acted and why (or why not)."""
+
+    bottleneck: list[str]
+    acted: bool
+    reason: str
+    candidate: str = ""  # the best candidate's receiver and size, e.g. "reward +2 (-1 victims)"
+    horizon_s: float = 0.0
+    delta_throughput: float = 0.0
+    phi: float = 0.0
+    score: float = 0.0
+    at: float = 0.0

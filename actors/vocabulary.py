@@ -7,7 +7,9 @@ Whatever must arrive travels as a request (``messages``, ``shift_messages``,
 
 * ``LOAD_TOPIC``: agents' ``ReplicaLoad`` after each step (routing, the planner's refit);
 * ``SHIFT_TOPIC``: the Controller's ``ShiftStarted``, ``ShiftFinished``, ``AllocationChanged``;
-* ``TRAINER_TOPIC``: the trainer's ``TrainerState`` on each change of state.
+* ``SHIFT_TOPIC`` also carries its ``PlannerDecided`` (rate-limited);
+* ``TRAINER_TOPIC``: the trainer's ``TrainerState`` on each change of state;
+* ``EVENTS_TOPIC``: the Monitor's ``EventBatch`` each interval (``pivot.events``, watchers).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pivot.actors.messages import RLMessage
 LOAD_TOPIC = "load"
 SHIFT_TOPIC = "shift"
 TRAINER_TOPIC = "trainer"
+EVENTS_TOPIC = "events"
 
 MESSAGES: tuple[type[RLMessage], ...] = (
     # driver <-> schedulers <-> agents
@@ -40,6 +43,12 @@ MESSAGES: tuple[type[RLMessage], ...] = (
     rl.GenerateRequest,
     rl.GenerateReply,
     rl.SubmitTrajectories,
+    rl.StopJob,
+    rl.StopAccepted,
+    # the job's events, for watchers
+    rl.EventBatch,
+    rl.QueryEvents,
+    rl.EventSnapshot,
     # the Controller's shifts
     shift.CutRouting,
     shift.RestoreRouting,
@@ -63,6 +72,7 @@ MESSAGES: tuple[type[RLMessage], ...] = (
     shift.ShiftStarted,
     shift.ShiftFinished,
     shift.AllocationChanged,
+    shift.PlannerDecided,
     # the trainer
     trainer.TrainBatch,
     trainer.SimTrainBatch,

@@ -25,6 +25,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import msgspec
 import pynng
 
 from pivot.bus import _nngaio
@@ -134,8 +135,22 @@ class NngTransport:
             sock.close()
             raise AddressError(f"actor {name!r} cannot listen on {endpoint.rep!r}: {exc}") from exc
         address = _bound_address(endpoint.rep, listener)
-        if address != endpoint.rep:
-            self.directory.add(name, Endpoint(rep=address, pub=self._endpoint(name).pub))
+        also = []
+        for extra in endpoint.also_rep:
+            try:
+                check_bind_address(extra, secured=secured)
+                also.append(_bound_address(extra, sock.listen(extra)))
+            except pynng.NNGException as exc:
+                sock.close()
+                raise AddressError(f"actor {name!r} cannot listen on {extra!r}: {exc}") from exc
+            except BusError:
+                sock.close()
+                raise
+        if address != endpoint.rep or also != list(endpoint.also_rep):
+            self.directory.add(
+                name,
+                msgspec.structs.replace(self._endpoint(name), rep=address, also_rep=tuple(also)),
+            )
         server = _NngServer(
             sock,
             address,
@@ -244,7 +259,7 @@ class NngTransport:
             raise AddressError(f"actor {name!r} cannot listen on {endpoint.pub!r}: {exc}") from exc
         address = _bound_address(endpoint.pub, listener)
         if address != endpoint.pub:
-            self.directory.add(name, Endpoint(rep=self._endpoint(name).rep, pub=address))
+            self.directory.add(name, msgspec.structs.replace(self._endpoint(name), pub=address))
         publisher = _NngPublisher(sock, address)
         self._track(publisher)
         return publisher

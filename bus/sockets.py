@@ -8,6 +8,7 @@ whose owner is dead. A folder without that file, of another user, or whose owner
 never touched.
 
     make_socket_dir() -> Path                       # a fresh folder, owned by this process
+    owner_text(pid) -> str; owner_alive(text) -> bool   # a process named by pid + start time
     remove_orphaned_socket_dirs() -> list[Path]     # the dead owners' folders, removed
 """
 
@@ -32,12 +33,18 @@ def _start_time(pid: int) -> str | None:
     return stat.rsplit(")", 1)[1].split()[19]
 
 
+def owner_text(pid: int | None = None) -> str:
+    """What an ``owner`` file says of ``pid`` (default this process): the pid and its start
+    time; ``owner_alive`` reads it back. The run dir's job file records its job so too."""
+    pid = os.getpid() if pid is None else pid
+    return f"{pid} {_start_time(pid) or ''}".strip()
+
+
 def make_socket_dir(root: str | Path | None = None, prefix: str = PREFIX) -> Path:
     """A new folder in ``root`` (default the temp dir) that names this process its owner."""
     folder = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
-    pid = os.getpid()
     marker = folder / f"{OWNER}.new"
-    marker.write_text(f"{pid} {_start_time(pid) or ''}".strip() + "\n")
+    marker.write_text(owner_text() + "\n")
     # renamed into place whole: a concurrent cleanup never reads half a pid
     marker.replace(folder / OWNER)
     return folder

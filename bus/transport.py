@@ -83,10 +83,13 @@ class Transport(Protocol):
 
 
 class Endpoint(msgspec.Struct, frozen=True):
-    """Where an actor listens: ``rep`` for requests, ``pub`` for its publications."""
+    """Where an actor listens: ``rep`` for requests, ``pub`` for its publications;
+    ``also_rep``: more addresses its requests are taken on (a job on ipc that processes on
+    other hosts reach over tcp)."""
 
     rep: str
     pub: str
+    also_rep: tuple[str, ...] = ()
 
 
 # Linux sun_path is 108 bytes including the terminating NUL.
@@ -131,7 +134,7 @@ class Directory:
         )
 
     def add(self, name: str, endpoint: Endpoint) -> None:
-        for address in (endpoint.rep, endpoint.pub):
+        for address in (endpoint.rep, endpoint.pub, *endpoint.also_rep):
             validate_address(address)
         self._entries[name] = endpoint
 

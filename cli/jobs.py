@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -38,7 +37,8 @@ from pivot.actors.assembly import DRIVER
 from pivot.actors.driver import StepReport
 from pivot.actors.messages import Ack, GenerateReply, GenerateRequest, SubmitTrajectories
 from pivot.actors.vocabulary import rl_messages
-from pivot.bus import Actor, Bus, Directory, job_secret
+from pivot.bus import Actor, Bus, Directory, Endpoint, job_secret
+from pivot.cli.jobfile import JOB_FILE, RUNNING, job_state, read_job
 from pivot.config import ConfigError
 from pivot.engines.protocol import SamplingParams
 from pivot.rollout import sampling_with
@@ -130,7 +130,14 @@ class Run(_Caller):
         )
         console = Console(file=open(os.devnull, "w"), soft_wrap=True)  # noqa: SIM115
         self._runner = Job(
-            job, policy, genrm, inputs, run_dir, console, steps_by_hand=self.steps_by_hand
+            job,
+            policy,
+            genrm,
+            inputs,
+            run_dir,
+            console,
+            steps_by_hand=self.steps_by_hand,
+            config=config,
         )
         self._task = asyncio.ensure_future(self._runner.run())
         started = asyncio.ensure_future(self._runner.started.wait())
@@ -175,21 +182,17 @@ class Run(_Caller):
 
 
 class Attached(_Caller):
-    """A running job reached through its run folder (see ``attach``)."""
+    """A running job reached through its run folder or a tcp address (see ``attach``)."""
 
-    def __init__(self, run_dir: str | Path, *, name: str | None = None) -> None:
-        from pivot.cli.run import JOB_FILE
-
-        self.run_dir = Path(run_dir)
-        path = self.run_dir / JOB_FILE
-        try:
-            info = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(str(path), "", "a running job's file", "no such file") from None
-        if info.get("state") != "running":
-            raise ConfigError(str(path), "state", "a running job", repr(info.get("state")))
-        self.info = info
-        directory = Directory.ipc(info["sockets"], info["names"])
+    def __init__(self, where: str | Path, *, name: str | None = None) -> None:
+        if str(where).startswith(("tcp://", "tcp4://", "tcp6://")):
+            self.run_dir = None
+            self.info = {}
+            directory = Directory({DRIVER: Endpoint(rep=str(where), pub=str(where))})
+        else:
+            self.run_dir = Path(where)
+            self.info = running_job(self.run_dir)
+            directory = Directory.ipc(self.info["sockets"], self.info["names"])
         self.bus = Bus.nng(directory, rl_messages(), secret=job_secret())
         self.actor = Actor(name or f"attached-{os.getpid()}", self.bus)
         self.sampling = SamplingParams()
@@ -201,6 +204,20 @@ class Attached(_Caller):
         await self.bus.close()
 
 
-def attach(run_dir: str | Path) -> Attached:
-    """The running job of ``run_dir`` (``ConfigError`` when none runs there)."""
-    return Attached(run_dir)
+def running_job(run_dir: Path) -> dict:
+    """A running job's ``job.json`` (``ConfigError`` when none runs there)."""
+    path = run_dir / JOB_FILE
+    info = read_job(run_dir)
+    if info is None:
+        raise ConfigError(str(path), "", "a running job's file", "none readable")
+    state = job_state(info)
+    if state != RUNNING:
+        raise ConfigError(str(path), "state", "a running job", repr(state))
+    return info
+
+
+def attach(where: str | Path) -> Attached:
+    """The running job of run folder ``where`` (over its ipc bus), or at the tcp address its
+    ``attach.tcp`` listens on (``tcp://HOST:PORT``; the job's secret must be set here too).
+    ``ConfigError`` when no job runs in the folder."""
+    return Attached(where)

@@ -103,12 +103,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_run)
 
-    from pivot.cli import journal, newmodel, report, simulate
+    from pivot.cli import journal, newmodel, ops, report, simulate
 
+    ops.add_parsers(sub)
     simulate.add_parser(sub)
     report.add_parser(sub)
     journal.add_parser(sub)
     newmodel.add_parser(sub)
+    from pivot.cli import monitor
+
+    monitor.add_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks that print numbers")
     bsub = bench.add_subparsers(dest="bench", metavar="WHAT", required=True)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import shutil
 import sys
@@ -39,6 +38,7 @@ from pivot.actors.assembly import (
 from pivot.actors.checkpoints import Checkpoint
 from pivot.actors.controller import ControllerSettings
 from pivot.actors.driver import Scores, StepReport
+from pivot.actors.event_hub import EventHub, initial_devices
 from pivot.actors.monitor import Monitor
 from pivot.actors.param_store import job_store_name, remove_orphaned_stores, remove_store
 from pivot.actors.processes import ControllerSpec, ProcessBackend
@@ -54,6 +54,7 @@ from pivot.bus.statsfile import BusStatsFile, read_stats_dir, trouble
 from pivot.bus.supervisor import ChildDidNotStart, SupervisorEscalation
 from pivot.cli.inputs import EVAL_IDS, Inputs, read_inputs
 from pivot.cli.interrupts import Interrupted, signal_of
+from pivot.cli.jobfile import RUNNING, STARTING, JobFile
 from pivot.cli.live import SHORT_ROLES, LiveView
 from pivot.cli.plot import plot_run
 from pivot.cli.report import ReportError, starting_allocation, write_report
@@ -84,6 +85,7 @@ from pivot.engines.checkpoint import (
 )
 from pivot.engines.protocol import SamplingParams
 from pivot.engines.tokenizer import TextCodec
+from pivot.events import EVENTS_FILE
 from pivot.job import JobConfig
 from pivot.memory import estimate_memory, gib
 from pivot.planning.cost import CostModel
@@ -94,6 +96,9 @@ from pivot.timeline import RoleSample, ShiftMark, TrainSpan
 # Estimate, not a measurement: the tiny models' per-step cost on one CPU thread. It ranks
 # replicas for routing and is the planner's prior; the Controller sees measured latencies.
 TINY_CPU_COST = CostModel(a=2e-7, b=1e-3, c=5e-5, d=5e-4)
+
+#: the Controller publishes its latest decision at least this often (and on each change)
+DECISIONS_EVERY_S = 5.0
 
 #: The run dir's folder of bus counters, one file per process (docs/metrics.md).
 BUS_STATS = "bus"
@@ -141,8 +146,10 @@ class Job:
         tracker: Tracker | NoTracker | None = None,
         resume: Checkpoint | None = None,
         steps_by_hand: bool = False,
+        config: str = "",
     ) -> None:
         self.job = job
+        self.config = config  # the config file it was read from, for job.json
         self.steps_by_hand = steps_by_hand
         self.started = asyncio.Event()  # the actors run (``assembly`` is set)
         self._stop = asyncio.Event()
@@ -160,12 +167,17 @@ class Job:
         self.deployment = job.plan()
         self.assembly: Assembly | None = None
         self.monitor: Monitor | None = None  # once the job's actors are made
+        self.events: EventHub | None = None  # likewise
+        self.job_file: JobFile | None = None  # RUN/job.json, once run() starts
         # ipc paths must stay under ~100 bytes: sockets live in a short temporary folder; those
         # of runs killed before they could remove theirs go now
         remove_orphaned_socket_dirs()
         remove_orphaned_stores()  # GPS stores of runs killed before they could remove theirs
         self.sockets = make_socket_dir()
         directory = Directory.ipc(self.sockets, self._names())
+        if job.attach.tcp:  # the Driver also takes requests from other hosts
+            driver_at = directory.lookup(DRIVER)
+            directory.add(DRIVER, msgspec.structs.replace(driver_at, also_rep=(job.attach.tcp,)))
         # the children sign with the job's secret when one is set: this process must too
         self.bus = Bus.nng(directory, rl_messages(), secret=job_secret())
         checkpoints = {Role.ROLLOUT: self.policy}
@@ -178,6 +190,7 @@ class Job:
                 interval_s=control.interval_s,
                 command_timeout_s=control.command_timeout_s,
                 planner=control.planner,
+                decisions_every_s=DECISIONS_EVERY_S,
             ),
             journal=str(run_dir / "shift.journal"),
             roles={Role.ROLLOUT: RoleSpec(model="policy"), Role.REWARD: RoleSpec(model="genrm")},
@@ -229,10 +242,37 @@ class Job:
         metrics = (run_dir / "metrics.jsonl").open("ab")
         timeline = (run_dir / "timeline.jsonl").open("ab")
         dump = (run_dir / "samples.jsonl").open("ab") if job.log.samples else None
+        events = (run_dir / EVENTS_FILE).open("ab")
+
+        def write_events(records) -> None:  # noqa: ANN001 - pivot.events records
+            events.write(b"".join(msgspec.json.encode(r) + b"\n" for r in records))
+            events.flush()
+
+        hub = self.events = EventHub(
+            self.bus.clock.now(),
+            steps=self.inputs.steps,
+            deployment=d.kind.value,
+            devices=initial_devices(d),
+            managed=range(d.managed),
+            sink=write_events,
+        )
+        names = self._names()
+        job_file = self.job_file = JobFile(
+            run_dir,
+            state=STARTING,
+            sockets=str(self.sockets),
+            names=names,
+            step=self.resume.state.next_step if self.resume else 0,
+            steps=self.inputs.steps,
+            deployment=d.kind.value,
+            config=self.config,
+        )
 
         def on_step(report: StepReport) -> None:
             metrics.write(msgspec.json.encode(report) + b"\n")
             metrics.flush()
+            hub.step(report)
+            job_file.update(step=report.step + 1)
             self.tracker.on_step(report)
             if dump is not None:
                 dump.flush()
@@ -306,6 +346,8 @@ class Job:
             on_shift=on_shift,
             controller=CONTROLLER if d.managed else None,
             interval=0.1,
+            events=hub,
+            trainer=TRAINER if d.trainer_devices else None,
         )
         sup = Supervisor(
             policy=RestartPolicy(max_restarts=2, window=60.0), stats_dir=run_dir / BUS_STATS
@@ -341,6 +383,15 @@ class Job:
             watchers=[(MONITOR, lambda: monitor)],
         )
         driver = self.assembly.driver
+        first_step = driver.before_first_step
+
+        async def before_first_step() -> None:
+            if first_step is not None:
+                await first_step()
+            hub.phase(self.bus.clock.now(), RUNNING)
+
+        driver.before_first_step = before_first_step
+        sup.listen(hub.supervised)
         sup.install_signal_handlers()
         counters.start()
         if self.view is not None:  # start-up phase for the live panel
@@ -348,14 +399,29 @@ class Job:
                 f"starting {len(d.agent_devices)} role agents (each loads its models) and "
                 f"{len(d.trainer_devices)} trainer ranks (DeepSpeed engine build)"
             )
+        state = "failed"  # what an exception on the way says, unless it says otherwise
         try:
+            hub.phase(self.bus.clock.now(), STARTING, "starting the job's processes")
+            hub.expect_children(
+                self.bus.clock.now(),
+                [
+                    ("starting agents, loading models", [agent_name(v) for v in d.agent_devices]),
+                    ("building DeepSpeed", trainer_names(TRAINER, len(d.trainer_devices))),
+                    ("starting the controller", [CONTROLLER] if d.managed else []),
+                ],
+            )
+            hub.flush()
+            job_file.update(state=STARTING)
             try:
                 await sup.start()
             except Exception:
                 if sup.signalled is not None:  # children stopped by the signal mid-start
+                    state = "interrupted"
                     raise Interrupted(sup.signalled) from None
                 raise
-            write_job_file(run_dir, self.sockets, self._names(), "running")
+            tcp = self.bus.transport.directory.lookup(DRIVER).also_rep if job.attach.tcp else ()
+            job_file.update(state=RUNNING, **({"tcp": tcp[0]} if tcp else {}))
+            hub.phase(self.bus.clock.now(), STARTING, "waiting for replicas")
             self.started.set()
             if self.view is not None:  # start-up phase for the live panel
                 self.view.phase("every actor started; step 0's rollouts are generating")
@@ -364,16 +430,26 @@ class Job:
             stopped = asyncio.ensure_future(self._stop.wait())
             await asyncio.wait([done, failed, stopped], return_when=asyncio.FIRST_COMPLETED)
             if failed.done():
-                write_job_file(run_dir, self.sockets, self._names(), "failed")
                 failed.result()  # raises the escalation
                 if sup.signalled is not None:
+                    state = "interrupted"
                     raise Interrupted(sup.signalled)
             failed.cancel()
             stopped.cancel()
-            state = "finished" if done.done() else "stopped"
-            write_job_file(run_dir, self.sockets, self._names(), state)
+            asked = driver.stop_after is not None
+            state = "finished" if done.done() and not asked else "stopped"
+        except (KeyboardInterrupt, asyncio.CancelledError):
+            state = "interrupted"
+            raise
         finally:
-            await sup.stop()
+            # every way out says how it ended, before the slow part of stopping
+            job_file.update(state=state)
+            hub.phase(self.bus.clock.now(), state)
+            try:
+                await sup.stop()  # the monitor flushes what it followed as it stops
+            finally:
+                hub.flush()
+                events.close()
             remove_store(self.backend.store)  # the job's: it outlived every trainer rank
             await counters.close()  # the children wrote their final counts as they stopped
             await self.bus.close()
@@ -437,24 +513,6 @@ class Job:
                 id_base=EVAL_IDS,
             )
         return source, evaluation
-
-
-JOB_FILE = "job.json"
-
-
-def write_job_file(run_dir: Path, sockets: Path, names: Sequence[str], state: str) -> None:
-    """``RUN/job.json``: how to reach the running job (its bus's ipc folder and actor names)
-    and its state, for tools and processes that attach to it (``pivot.cli.jobs.attach``)."""
-    info = {
-        "pid": os.getpid(),
-        "state": state,
-        "sockets": str(sockets),
-        "names": list(names),
-        "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    partial = run_dir / f".{JOB_FILE}.partial"
-    partial.write_text(json.dumps(info, indent=1) + "\n")
-    partial.replace(run_dir / JOB_FILE)
 
 
 def write_plot(
@@ -529,6 +587,21 @@ def scores_text(scores: Scores) -> str:
     return "  ".join(parts)
 
 
+def _check_attach(job: JobConfig, config: str) -> None:
+    address = job.attach.tcp
+    if not address:
+        return
+    if not address.startswith(("tcp://", "tcp4://", "tcp6://")) or ":" not in address[6:]:
+        raise ConfigError(config, "attach.tcp", "an address tcp://HOST:PORT", repr(address))
+    if job_secret() is None:
+        raise ConfigError(
+            config,
+            "attach.tcp",
+            "the job's shared secret for a tcp address (PIVOT_SECRET_FILE)",
+            "no secret set",
+        )
+
+
 def prepare(
     config: str,
     *,
@@ -548,6 +621,7 @@ def prepare(
         check_engine_installed(job, config)
     except ConfigError as exc:
         raise blame_overrides(exc, overrides) from None
+    _check_attach(job, config)
     policy = resolve_model(job.model.policy, config, "model.policy")
     genrm = (
         resolve_model(job.model.genrm, config, "model.genrm")
@@ -744,7 +818,9 @@ def main(args: argparse.Namespace) -> int:
         view.done = resume.state.next_step
     runner: Job | None = None
     try:
-        runner = Job(job, policy, genrm, inputs, run_dir, console, view, tracker, resume)
+        runner = Job(
+            job, policy, genrm, inputs, run_dir, console, view, tracker, resume, config=config
+        )
         with logs_to(run_dir / "actors.log"), Live(view, console=console, refresh_per_second=4):
             reports, monitor = run_real(runner.run())
     except KeyboardInterrupt as exc:
@@ -803,6 +879,12 @@ def main(args: argparse.Namespace) -> int:
     repeats = sum(r.duplicates for r in reports) + runner.assembly.driver.unknown_completions
     if repeats:
         console.print(f"{repeats} completions arrived more than once (ignored)", style="yellow")
+    stopped = runner.assembly.driver.stop_after
+    if stopped is not None:
+        console.print(
+            "stopped by pivot stop "
+            + (f"after step {stopped}" if stopped >= 0 else "at once (the step was abandoned)")
+        )
     console.print(
         f"done: {len(reports)} steps in {wall:.1f} s; reward {mean(first)} (first 5 steps) "
         f"-> {mean(last)} (last 5); {failed}shifts {sum(kinds.values())} {kinds}\n"

@@ -2,8 +2,10 @@
 
 The job publishes them in batches for live watchers (best effort), answers a snapshot for a
 watcher that joins late, and appends every one to ``RUN/events.jsonl`` for replay
-(``pivot monitor``, ``pivot report``). Each record's ``t`` is seconds since the run started
-(its Monitor's origin); ``"type"`` says which record a line of events.jsonl is, so
+(``pivot monitor``, ``pivot report``). Each record's ``t`` is seconds since the job began
+starting its processes (``pivot.actors.event_hub.EventHub``'s origin, before the Monitor's
+first sample: timeline.jsonl's ``t`` runs behind it by the start-up); ``"type"`` says which
+record a line of events.jsonl is, so
 ``msgspec.json.Decoder(EventRecord)`` reads any of them.
 """
 
@@ -19,7 +21,7 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
 class JobPhase(Event, tag="phase"):
     """What the job is doing: ``starting`` (with ``detail``: loading models, starting agents,
     building DeepSpeed, waiting for replicas), ``running``, ``finished``, ``stopped``,
-    ``failed``. ``steps``: the job's steps; ``deployment``: its kind."""
+    ``failed``, ``interrupted`` (a signal). ``steps``: the job's steps; ``deployment``: its kind."""
 
     phase: str
     detail: str = ""

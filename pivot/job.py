@@ -180,6 +180,15 @@ class ControlSection(ConfigStruct):
     )
 
 
+class AttachSection(ConfigStruct):
+    """``tcp``: an address, ``tcp://HOST:PORT`` (port 0: any free one), on which the job's
+    Driver also takes requests, so that ``pivot.attach`` reaches the job from another host.
+    It needs the job's shared secret (``PIVOT_SECRET_FILE``): requests are sealed with it. On
+    this host the ipc address in ``RUN/job.json`` always works."""
+
+    tcp: str = ""
+
+
 class JobConfig(ConfigStruct):
     """The whole job."""
 
@@ -195,6 +204,7 @@ class JobConfig(ConfigStruct):
     control: ControlSection = ControlSection()
     checkpoint: CheckpointSection = CheckpointSection()
     log: LogSection = LogSection()
+    attach: AttachSection = AttachSection()
 
     @property
     def shared_devices(self) -> int:

@@ -97,6 +97,12 @@ class RolloutContext(Protocol):
         """Release the routing hint of ``session`` (default: this rollout's)."""
         ...
 
+    def gateway_trajectories(self) -> list[Trajectory]:
+        """What this rollout's agent did through ``openai_base_url``, token-exact, and the
+        end of its gateway session. (A rollout that used the gateway and returns None trains
+        on these.)"""
+        ...
+
 
 def sampling_with(base: SamplingParams, **changes: Any) -> SamplingParams:
     """``base`` with the given parameters that are not None."""

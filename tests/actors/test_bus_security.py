@@ -157,6 +157,36 @@ async def test_tcp_with_secret_and_port_zero() -> None:
     await intruder_bus.close()
 
 
+async def test_an_actor_on_ipc_also_takes_requests_over_tcp_only_with_the_secret(
+    tmp_path: Path,
+) -> None:
+    also = "tcp://127.0.0.1:0"
+    ipc = Directory.ipc(tmp_path, ["server"])
+    open_ = Directory({"server": Endpoint(**{**ipc.to_dict()["server"], "also_rep": (also,)})})
+    insecure = Bus.nng(open_, TESTING_MESSAGES)
+    with pytest.raises(InsecureBindError):
+        await EchoActor("server", insecure).start()
+    await insecure.close()
+    directory = Directory({"server": Endpoint(**{**ipc.to_dict()["server"], "also_rep": (also,)})})
+    bus = Bus.nng(directory, TESTING_MESSAGES, secret="s3cret")
+    server = EchoActor("server", bus)
+    async with started(server):
+        [bound] = directory.lookup("server").also_rep
+        assert bound.startswith("tcp://127.0.0.1:") and not bound.endswith(":0")
+        # a process elsewhere knows only the tcp address
+        remote = Directory({"server": Endpoint(rep=bound, pub=bound)})
+        remote_bus = Bus.nng(remote, TESTING_MESSAGES, secret="s3cret")
+        reply = await Actor("elsewhere", remote_bus).request("server", Echo(text="hi"), timeout=5)
+        assert reply.text == "hi"
+        # and the ipc address still serves this host
+        local_bus = Bus.nng(ipc, TESTING_MESSAGES, secret="s3cret")
+        reply = await Actor("here", local_bus).request("server", Echo(text="ho"), timeout=5)
+        assert reply.text == "ho"
+        await remote_bus.close()
+        await local_bus.close()
+    await bus.close()
+
+
 # -- replayed and redirected frames
 
 

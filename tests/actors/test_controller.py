@@ -7,10 +7,18 @@ it would have produced without the shift; every sequence must complete exactly o
 
 from __future__ import annotations
 
+import itertools
+
+import msgspec
 import pytest
 
 from pivot.actors.agent import Inline, RoleAgent
-from pivot.actors.controller import Controller, ControllerSettings, open_journal
+from pivot.actors.controller import (
+    Controller,
+    ControllerSettings,
+    decision_kind,
+    open_journal,
+)
 from pivot.actors.journal import Journal
 from pivot.actors.messages import Ack, Assign, Completed, Completion, SubmitSequences, Work
 from pivot.actors.scheduler import Scheduler
@@ -22,6 +30,7 @@ from pivot.actors.shift_messages import (
     CutRouting,
     Describe,
     MigrateSequences,
+    PlannerDecided,
     QueryAllocation,
     Register,
     Release,
@@ -473,6 +482,36 @@ def test_reward_backlog_takes_rollout_replicas_and_gives_them_back(tmp_path):
         await cluster.stop()
 
     run_virtual(main)
+
+
+def test_the_controller_publishes_its_decisions_when_they_change_or_every_few_seconds(tmp_path):
+    async def main(clock):
+        cluster = Cluster(clock, four_devices(), rollout_heavy_layout())
+        await cluster.start()
+        await cluster.submit("reward", 1000, 60, 20)
+        controller = cluster.make_controller(open_journal(tmp_path / "journal"))
+        controller.settings = msgspec.structs.replace(SETTINGS, decisions_every_s=2.0)
+        cluster.controller = controller
+        await controller.start()
+        await cluster.until(lambda: controller.shifts_done >= 1, "a first shift")
+        await cluster.until_done()
+        await clock.sleep(6.0)
+        await cluster.stop()
+        return cluster.monitor.of(PlannerDecided)
+
+    decisions = run_virtual(main)
+    acted = [d for d in decisions if d.acted]
+    assert acted and acted[0].bottleneck == ["reward"]
+    assert acted[0].candidate.startswith("shift: reward +") and acted[0].score > 0
+    assert acted[0].horizon_s == SETTINGS.planner.horizon_s
+    # a decision that says what the last one said (but for its numbers) waits its turn:
+    # at most one per 2 s, where the controller plans every 0.5 s
+    repeats = [
+        b.at - a.at
+        for a, b in itertools.pairwise(decisions)
+        if not b.acted and decision_kind(a) == decision_kind(b)
+    ]
+    assert repeats and all(gap >= 2.0 for gap in repeats)
 
 
 def test_trainer_pool_is_lent_then_reclaimed_whole(tmp_path):

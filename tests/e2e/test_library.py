@@ -8,8 +8,11 @@ import asyncio
 import json
 from pathlib import Path
 
+import pytest
+
 import pivot
 from pivot.bus import run_real
+from pivot.bus.codec import SECRET_FILE_ENV
 from pivot.config import ConfigError
 
 CONFIG = """
@@ -28,6 +31,8 @@ max_new_tokens = 8
 kind = "exact"
 [log]
 tensorboard = false
+[attach]
+tcp = "tcp://127.0.0.1:0"
 """
 
 calls: list[pivot.Task] = []
@@ -46,16 +51,18 @@ async def two_turns(ctx: pivot.RolloutContext, task: pivot.Task) -> pivot.Trajec
 
 
 def test_a_run_in_this_process_steps_by_hand_and_an_attached_client_generates_and_submits(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch
 ):
+    secret = tmp_path / "secret"
+    secret.write_text("the job's secret")
+    secret.chmod(0o600)
+    monkeypatch.setenv(SECRET_FILE_ENV, str(secret))  # the children sign with it too
     config = tmp_path / "job.toml"
     config.write_text(CONFIG)
     run_dir = tmp_path / "run"
 
     async def main():
-        async with pivot.Run(
-            config, rollout=two_turns, run_dir=run_dir, steps_by_hand=True
-        ) as run:
+        async with pivot.Run(config, rollout=two_turns, run_dir=run_dir, steps_by_hand=True) as run:
             first = await run.step()
             assert (run_dir / "job.json").is_file()
             async with pivot.attach(run_dir) as job:
@@ -71,6 +78,11 @@ def test_a_run_in_this_process_steps_by_hand_and_an_attached_client_generates_an
                     pivot.Trajectory.of(await job.generate(prompt, seed=12), reward=0.0),
                 ]
                 assert await job.submit([group]) == 2
+            # from another host: the tcp address the job listens on besides its ipc one
+            tcp = json.loads((run_dir / "job.json").read_text())["tcp"]
+            async with pivot.attach(tcp) as remote:
+                far = await remote.generate(prompt, max_new_tokens=5, seed=11)
+                assert far.token_ids == g.token_ids
             second = await run.step()
             later = await run.generate(prompt, max_new_tokens=5, seed=11)
             assert [c.version for c in later.chunks] == [2]
@@ -89,18 +101,21 @@ def test_a_run_in_this_process_steps_by_hand_and_an_attached_client_generates_an
     assert len(calls) == 16
 
 
-def test_a_bad_config_raises_before_anything_starts(tmp_path: Path):
+@pytest.mark.parametrize(
+    ("change", "key"),
+    [
+        (("devices = 3", "devices = 1"), "cluster.trainer_devices"),
+        (("", ""), "attach.tcp"),  # a tcp address without the job's secret
+    ],
+)
+def test_a_bad_config_raises_before_anything_starts(tmp_path: Path, change, key):  # noqa: ANN001
     config = tmp_path / "job.toml"
-    config.write_text(CONFIG.replace("devices = 3", "devices = 1"))
+    config.write_text(CONFIG.replace(*change))
 
     async def main():
         async with pivot.Run(config, run_dir=tmp_path / "run"):
             pass
 
-    try:
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         asyncio.run(main())
-    except ConfigError as exc:
-        assert "cluster.trainer_devices" in str(exc)
-    else:
-        raise AssertionError("a config with no shared device started")
     assert not (tmp_path / "run").exists()

@@ -163,26 +163,23 @@ def _untrained_rollout(steps: list[int]) -> dict[int, tuple[float, int]]:
 def _rollout(
     engine: TorchEngine, source: PromptSource, steps: list[int]
 ) -> dict[int, tuple[float, int]]:
-    from pivot.actors.messages import Completion
+    from pivot.actors.sources import Sample
+    from pivot.trajectory import Trajectory
 
     out = {}
     for step in steps:
-        batch = source.batch(step, policy_version=0)
-        for _, work in batch:
-            engine.add(work.seq_id, work.prompt_ids, sampling=work.sampling)
+        batch = source.tasks(step)
+        for task in batch:
+            engine.add(task.seq_id, task.prompt_ids, sampling=task.sampling)
         finished = {}
         while engine.has_unfinished():
             for f in engine.step().finished:
                 finished[f.seq_id] = f
         correct = tokens = 0
-        for sample, _ in batch:
-            f = finished[sample.seq_id]
-            sample.response = Completion(
-                seq_id=f.seq_id,
-                token_ids=list(f.token_ids),
-                logprobs=list(f.logprobs),
-                finish_reason=f.finish_reason,
-            )
+        for task in batch:
+            f = finished[task.seq_id]
+            trajectory = Trajectory(prompt_ids=task.prompt_ids).add_tokens(f.token_ids)
+            sample = Sample(seq_id=task.seq_id, group=task.group, task=task, trajectory=trajectory)
             correct += bool(source.check(sample))
             tokens += len(f.token_ids)
         out[step] = (correct / len(batch), tokens)
