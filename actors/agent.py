@@ -788,18 +788,26 @@ def engines_for(
     stores: Mapping[str, str],
     *,
     reader_name: str,
+    engine: str = "torch",
+    device: int | None = None,
     **engine_kwargs: Any,
 ) -> tuple[dict[str, InferenceEngine], dict[str, WeightLoader]]:
-    """An engine per inference role, each serving its checkpoint folder (the engine
-    ``pivot.engines.loading.load_engine`` picks for it), and where each role's weights are
-    read on Acquire: the GPS host store named in ``stores`` for it, else its folder again."""
+    """An engine per inference role, each serving its checkpoint folder (``torch``: the
+    engine ``pivot.engines.loading.load_engine`` picks for it; ``sglang``: SGLang, see
+    ``sglang_engines``), and where each role's weights are read on Acquire: the GPS host
+    store named in ``stores`` for it, else its folder again."""
     from pivot.engines.loading import load_engine, read_weights
 
     engines: dict[str, InferenceEngine] = {}
     weights: dict[str, WeightLoader] = {}
     for role, folder in folders.items():
         tensors = read_weights(folder)
-        engines[role] = load_engine(folder, tensors, **engine_kwargs)
+        if engine == "sglang":
+            engines[role] = sglang_engine(
+                folder, tensors, shares=len(folders), device=device, **engine_kwargs
+            )
+        else:
+            engines[role] = load_engine(folder, tensors, **engine_kwargs)
         store = stores.get(role)
         weights[role] = (
             StoreWeights(store, like=tensors, reader_name=reader_name)
@@ -807,6 +815,33 @@ def engines_for(
             else CheckpointWeights(folder)
         )
     return engines, weights
+
+
+def sglang_engine(
+    folder: str | Path,
+    tensors: Mapping[str, Any],
+    *,
+    shares: int,
+    max_running: int,
+    seed: int,
+    clock: Callable[[], float] | None = None,
+    device: int | None = None,
+    threads: int | None = None,
+) -> InferenceEngine:
+    """An SGLang engine serving ``folder`` on GPU ``device``, one of ``shares`` engines on that
+    GPU (each role an agent may serve has one, built at start: they split its memory)."""
+    from pivot.actors.sglang_engine import SGLangEngine
+
+    del threads  # CPU threads: SGLang runs its own processes
+    return SGLangEngine.launch(
+        str(folder),
+        base_gpu_id=device or 0,
+        mem_fraction_static=round(0.8 / shares, 3),
+        max_running=max_running,
+        seed=seed,
+        param_names=tensors.keys(),
+        **({} if clock is None else {"clock": clock}),
+    )
 
 
 def torch_agent(
@@ -824,9 +859,11 @@ def torch_agent(
     device: int | None = None,
     replica: str | None = None,
     devices: list[int] | None = None,
+    engine: str = "torch",
 ) -> RoleAgent:
     """Factory for a child process: a RoleAgent serving HF checkpoints on CPU (pivot's torch
-    engine for its decoder families, the transformers fallback for other causal LMs).
+    engine for its decoder families, the transformers fallback for other causal LMs), or
+    with ``engine="sglang"`` on GPU ``device`` with SGLang (``model.engine``).
 
     ``model`` is the checkpoint of ``role``. For an agent that may shift, ``checkpoints``
     names one checkpoint folder per inference role (an engine is built for each); on
@@ -842,6 +879,8 @@ def torch_agent(
         folders,
         stores or {},
         reader_name=name,
+        engine=engine,
+        device=device,
         max_running=max_running,
         threads=threads,
         seed=seed,

@@ -92,7 +92,8 @@ class ProcessBackend:
 
     ``checkpoints``: the checkpoint folder of each inference role the job serves. ``store``:
     the GPS host store's name (the trainer creates it, rollout engines read it).
-    ``router``: a fresh router per scheduler start. ``seed``: the job's; each agent's engines
+    ``router``: a fresh router per scheduler start. ``engine``: what agents serve with,
+    ``torch`` or ``sglang`` (``model.engine``). ``seed``: the job's; each agent's engines
     sample from ``seed * 1000 + device``. ``rendezvous_dir``: where the trainer ranks meet.
     ``resume``: a checkpoint's trainer state to continue from (the rollout checkpoint is then
     that checkpoint's policy folder). ``checkpoint_dir``: the run's checkpoints, where a
@@ -111,6 +112,7 @@ class ProcessBackend:
         threads: int,
         seed: int,
         training: TrainingSettings,
+        engine: str = "torch",
         rendezvous_dir: Path,
         resume: Path | None = None,
         checkpoint_dir: Path | None = None,
@@ -122,6 +124,7 @@ class ProcessBackend:
         self.store = store
         self._router = router
         self.max_running = max_running
+        self.engine = engine
         self.threads = threads
         self.seed = seed
         self.training = training
@@ -164,6 +167,7 @@ class ProcessBackend:
                 "stores": {Role.ROLLOUT.value: self.store},
                 "device": agent.device,
                 "max_running": self.max_running,
+                "engine": self.engine,
                 "threads": self.threads,
                 "seed": self.seed * 1000 + agent.device,
             },

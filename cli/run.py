@@ -207,6 +207,7 @@ class Job:
                 TINY_CPU_COST,
             ),
             max_running=self.job.model.max_running,
+            engine=self.job.model.engine,
             threads=self.job.cluster.threads_per_device,
             seed=self.job.seed,
             training=self.job.training,
@@ -623,6 +624,7 @@ def prepare(
     job = load_toml(config, JobConfig, overrides)
     try:
         job.validate(config)
+        check_engine_installed(job, config)
     except ConfigError as exc:
         raise blame_overrides(exc, overrides) from None
     _check_attach(job, config)
@@ -669,6 +671,24 @@ def prepare(
             f"none in {genrm}",
         )
     return job, policy, genrm, inputs
+
+
+def check_engine_installed(job: JobConfig, config: str) -> None:
+    """The engine ``model.engine`` names can be imported here (SGLang is an extra)."""
+    if job.model.engine != "sglang":
+        return
+    from pivot.actors.sglang_engine import sglang_missing
+    from pivot.actors.sglang_surface import PIN
+
+    missing = sglang_missing()
+    if missing is not None:
+        raise ConfigError(
+            config,
+            "model.engine",
+            f"'torch', or SGLang {PIN} installed for 'sglang' (the 'gpu' extra, in a venv of "
+            "its own: README, 'GPU (SGLang)')",
+            f"'sglang' where {missing}",
+        )
 
 
 def available_memory() -> int | None:

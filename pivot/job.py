@@ -61,11 +61,17 @@ class DeploymentSection(ConfigStruct):
 
 
 class ModelSection(ConfigStruct):
-    """Hugging Face checkpoint folders; a bare name is one of the models pivot ships."""
+    """Hugging Face checkpoint folders; a bare name is one of the models pivot ships.
+
+    ``engine``: what serves rollout and GenRM replicas: ``torch``, pivot's own engine (CPU), or
+    ``sglang``, an in-process SGLang engine per replica on its GPU (the ``gpu`` extra, in a
+    venv of its own: README, "GPU (SGLang)").
+    """
 
     policy: str = "tiny-policy"
     genrm: str = "tiny-genrm"
     max_running: Count(65_536) = 32
+    engine: Literal["torch", "sglang"] = "torch"
 
 
 class RolloutSection(ConfigStruct):

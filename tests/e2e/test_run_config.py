@@ -258,3 +258,20 @@ def test_the_summary_names_the_bus_troubles_of_every_process(tmp_path):
     assert run.bus_trouble_line(tmp_path) == (
         f"bus: 3 lost_frames, 3 request_timeouts (see {folder})"
     )
+
+
+def test_the_sglang_engine_without_sglang_installed_is_one_line_and_starts_nothing(
+    tmp_path, capsys, started, monkeypatch
+):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "sglang", None)  # as on a machine without the extra
+    run_dir = tmp_path / "run"
+    code = main(
+        ["run", str(REPO / "configs/tiny.toml"), "model.engine=sglang", "--run-dir", str(run_dir)]
+    )
+    assert code == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert "override model.engine: key 'model.engine': expected 'torch', or SGLang" in line
+    assert "'gpu' extra" in line and "no module named 'sglang'" in line
+    assert not run_dir.exists() and not started

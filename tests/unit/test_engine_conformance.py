@@ -1,5 +1,5 @@
-"""The engine conformance suite against the simulated engine in each of its output modes and
-the scripted engine (the torch engine runs it once per decoder family, on checkpoints saved by
+"""The engine conformance suite against the simulated engine in each of its output modes, the
+scripted engine and the SGLang backend on the test kit's fake SGLang (the torch engine runs it once per decoder family, on checkpoints saved by
 transformers: test_decoder_families.py), and against engines broken on purpose, which it must
 catch."""
 
@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from pivot.actors import fake_sglang
+from pivot.actors.sglang_engine import SGLangEngine
 from pivot.engines.conformance import (
     ConformanceError,
     EngineFactory,
@@ -51,6 +53,21 @@ def scripted_factory(engine: type[ScriptedEngine] = ScriptedEngine, **kw) -> Eng
     return EngineFactory(name=engine.__name__, make=lambda: engine(counting_script, **kw))
 
 
+def sglang_factory(incremental: bool = False) -> EngineFactory:
+    """The SGLang backend on the test kit's fake SGLang, its requests paced so that aborts
+    reach running ones; ``incremental``: streamed chunks are deltas."""
+    weights = {"model.embed_tokens.weight": [0.5], "lm_head.weight": [0.25]}
+
+    def make() -> SGLangEngine:
+        # wait_s: generous; a step returns as soon as every running sequence has its token
+        fake = fake_sglang.api(incremental=incremental, iteration_s=0.001)
+        return SGLangEngine.launch("fake/tiny", api=fake, wait_s=30.0, param_names=weights)
+
+    return EngineFactory(
+        name=f"sglang (fake, incremental={incremental})", make=make, weights=lambda: dict(weights)
+    )
+
+
 @pytest.mark.parametrize(
     "factory",
     [
@@ -63,6 +80,8 @@ def scripted_factory(engine: type[ScriptedEngine] = ScriptedEngine, **kw) -> Eng
         lambda: scripted_factory(
             cost_model=HAND, prefill_s=0.001, max_running=4, eos_token_ids=[2]
         ),
+        sglang_factory,
+        lambda: sglang_factory(incremental=True),
     ],
     ids=[
         "sim",
@@ -71,6 +90,8 @@ def scripted_factory(engine: type[ScriptedEngine] = ScriptedEngine, **kw) -> Eng
         "sim-counts-only",
         "scripted",
         "scripted-timed",
+        "sglang-fake",
+        "sglang-fake-incremental",
     ],
 )
 def test_engine_passes_the_conformance_suite(factory):
