@@ -454,7 +454,10 @@ class Driver(Actor):
         if trajectories is None:
             batch.scored += 1
             batch.source.done(batch.samples[task.seq_id])
-        await asyncio.gather(*(self._score(batch, sample) for sample in samples))
+        if len(samples) == 1:  # the common case: no task of gather's own
+            await self._score(batch, samples[0])
+        else:
+            await asyncio.gather(*(self._score(batch, sample) for sample in samples))
         batch.settle()
 
     async def _reward(self, batch: _Batch, sample: Sample) -> None:
