@@ -70,9 +70,12 @@ class DeploymentSection(ConfigStruct):
 class ModelSection(ConfigStruct):
     """Hugging Face checkpoint folders; a bare name is one of the models pivot ships.
 
-    ``engine``: what serves rollout and GenRM replicas: ``torch``, pivot's own engine (CPU), or
-    ``sglang``, an in-process SGLang engine per replica on its GPU (the ``gpu`` extra, in a
-    venv of its own: README, "GPU (SGLang)").
+    ``engine``: what serves rollout and GenRM replicas: ``torch``, pivot's own engine (CPU, or
+    one GPU per replica with ``cluster.accelerator = "cuda"``), or ``sglang``, an in-process
+    SGLang engine per replica on its GPU (the ``gpu`` extra, in a venv of its own: README,
+    "GPU (SGLang)"). ``dtype``: the torch engine's weights and KV cache and the trainer's
+    DeepSpeed precision: ``float32``, or ``bfloat16`` (``cluster.accelerator = "cuda"``
+    only); SGLang serves in bfloat16 either way.
     """
 
     policy: str = "tiny-policy"
