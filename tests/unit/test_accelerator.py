@@ -70,3 +70,19 @@ def test_the_agent_builds_its_torch_engines_on_the_device_and_dtype_it_is_given(
     assert (engine.device, engine.dtype) == (torch.device("cpu"), torch.bfloat16)
     logits = engine.prompt_logits([1, 2, 3])
     assert logits.dtype == torch.float32 and logits.device.type == "cpu"
+
+
+def test_each_trainer_rank_is_told_its_gpu_on_cuda_and_none_on_cpu(tmp_path):
+    from pivot.actors.trainer_deepspeed import trainer_group, trainer_names
+    from pivot.bus import Directory
+
+    directory = Directory.ipc(tmp_path, trainer_names("trainer", 2))
+
+    def ranks(**where):
+        group = trainer_group(
+            "trainer", directory=directory, checkpoint="c", world_size=2, run_dir=tmp_path, **where
+        )
+        return {c.kwargs["rank"]: (c.kwargs["accelerator"], c.kwargs["gpu"]) for _, c in group}
+
+    assert ranks() == {0: ("cpu", None), 1: ("cpu", None)}
+    assert ranks(accelerator="cuda", gpus=[2, 3]) == {0: ("cuda", 2), 1: ("cuda", 3)}
