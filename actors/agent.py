@@ -127,11 +127,20 @@ class CheckpointWeights:
 
 class StoreWeights:
     """The newest version in a GPS host store (``pivot.actors.param_store``), read into
-    buffers shaped like ``like`` (name -> tensor of the right shape and dtype)."""
+    host buffers shaped like ``like`` (name -> tensor of the right shape and dtype).
+    ``pin``: page-locked buffers, for an engine on a GPU to copy from without blocking."""
 
-    def __init__(self, store: str, like: Mapping[str, Any], *, reader_name: str = "agent") -> None:
+    def __init__(
+        self,
+        store: str,
+        like: Mapping[str, Any],
+        *,
+        reader_name: str = "agent",
+        pin: bool = False,
+    ) -> None:
         self.store = store
         self.reader_name = reader_name
+        self.pin = pin
         self._like = like
         self._buffers: dict[str, Any] | None = None
         self._reader = None
@@ -144,7 +153,7 @@ class StoreWeights:
         if self._reader is None:
             self._reader = ParameterReader(self.store, name=self.reader_name)
         if self._buffers is None:
-            self._buffers = {n: torch.empty_like(t) for n, t in self._like.items()}
+            self._buffers = {n: _host_buffer(torch, t, self.pin) for n, t in self._like.items()}
         version = self._reader.read(self._buffers)
         if version < min_version:
             raise ShiftRefused(
@@ -157,6 +166,11 @@ class StoreWeights:
         if self._reader is not None:
             self._reader.close()
             self._reader = None
+
+
+def _host_buffer(torch: Any, like: Any, pin: bool) -> Any:
+    buffer = torch.empty_like(like, device="cpu")
+    return buffer.pin_memory() if pin else buffer
 
 
 class RoleAgent(Actor):
@@ -790,13 +804,17 @@ def engines_for(
     reader_name: str,
     engine: str = "torch",
     device: int | None = None,
+    accelerator: str = "cpu",
+    dtype: str = "float32",
     **engine_kwargs: Any,
 ) -> tuple[dict[str, InferenceEngine], dict[str, WeightLoader]]:
     """An engine per inference role, each serving its checkpoint folder (``torch``: the
-    engine ``pivot.engines.loading.load_engine`` picks for it; ``sglang``: SGLang, see
-    ``sglang_engines``), and where each role's weights are read on Acquire: the GPS host
-    store named in ``stores`` for it, else its folder again."""
-    from pivot.engines.loading import load_engine, read_weights
+    engine ``pivot.engines.loading.load_engine`` picks for it, on ``accelerator``'s device
+    ``device`` in ``dtype``; ``sglang``: SGLang, see ``sglang_engines``), and where each
+    role's weights are read on Acquire: the GPS host store named in ``stores`` for it (into
+    pinned host buffers on CUDA), else its folder again."""
+    from pivot.accelerator import torch_device
+    from pivot.engines.loading import load_engine, read_weights, torch_dtype
 
     engines: dict[str, InferenceEngine] = {}
     weights: dict[str, WeightLoader] = {}
@@ -807,10 +825,16 @@ def engines_for(
                 folder, tensors, shares=len(folders), device=device, **engine_kwargs
             )
         else:
-            engines[role] = load_engine(folder, tensors, **engine_kwargs)
+            engines[role] = load_engine(
+                folder,
+                tensors,
+                device=torch_device(accelerator, device),
+                dtype=torch_dtype(dtype),
+                **engine_kwargs,
+            )
         store = stores.get(role)
         weights[role] = (
-            StoreWeights(store, like=tensors, reader_name=reader_name)
+            StoreWeights(store, like=tensors, reader_name=reader_name, pin=accelerator == "cuda")
             if store
             else CheckpointWeights(folder)
         )
@@ -860,10 +884,13 @@ def torch_agent(
     replica: str | None = None,
     devices: list[int] | None = None,
     engine: str = "torch",
+    accelerator: str = "cpu",
+    dtype: str = "float32",
 ) -> RoleAgent:
-    """Factory for a child process: a RoleAgent serving HF checkpoints on CPU (pivot's torch
-    engine for its decoder families, the transformers fallback for other causal LMs), or
-    with ``engine="sglang"`` on GPU ``device`` with SGLang (``model.engine``).
+    """Factory for a child process: a RoleAgent serving HF checkpoints on CPU or, with
+    ``accelerator="cuda"``, on GPU ``device`` in ``dtype`` (pivot's torch engine for its
+    decoder families, the transformers fallback for other causal LMs), or with
+    ``engine="sglang"`` on GPU ``device`` with SGLang (``model.engine``).
 
     ``model`` is the checkpoint of ``role``. For an agent that may shift, ``checkpoints``
     names one checkpoint folder per inference role (an engine is built for each); on
@@ -881,6 +908,8 @@ def torch_agent(
         reader_name=name,
         engine=engine,
         device=device,
+        accelerator=accelerator,
+        dtype=dtype,
         max_running=max_running,
         threads=threads,
         seed=seed,

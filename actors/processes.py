@@ -98,7 +98,9 @@ class ProcessBackend:
     ``resume``: a checkpoint's trainer state to continue from (the rollout checkpoint is then
     that checkpoint's policy folder). ``checkpoint_dir``: the run's checkpoints, where a
     restarted trainer group looks for the last complete one. ``trainer_restart``: the trainer
-    group's restart policy (None: a rank that dies stops the job).
+    group's restart policy (None: a rank that dies stops the job). ``accelerator`` and
+    ``dtype``: ``cluster.accelerator`` and ``model.dtype`` (on ``cuda`` a job device is the GPU
+    of that index, for its agent and its trainer rank alike).
     """
 
     def __init__(
@@ -113,6 +115,8 @@ class ProcessBackend:
         seed: int,
         training: TrainingSettings,
         engine: str = "torch",
+        accelerator: str = "cpu",
+        dtype: str = "float32",
         rendezvous_dir: Path,
         resume: Path | None = None,
         checkpoint_dir: Path | None = None,
@@ -125,6 +129,8 @@ class ProcessBackend:
         self._router = router
         self.max_running = max_running
         self.engine = engine
+        self.accelerator = accelerator
+        self.dtype = dtype
         self.threads = threads
         self.seed = seed
         self.training = training
@@ -168,6 +174,8 @@ class ProcessBackend:
                 "device": agent.device,
                 "max_running": self.max_running,
                 "engine": self.engine,
+                "accelerator": self.accelerator,
+                "dtype": self.dtype,
                 "threads": self.threads,
                 "seed": self.seed * 1000 + agent.device,
             },
@@ -185,6 +193,9 @@ class ProcessBackend:
             directory=self.directory,
             checkpoint=self.checkpoints[Role.ROLLOUT],
             world_size=len(deployment.trainer_devices),
+            accelerator=self.accelerator,
+            gpus=list(deployment.trainer_devices),
+            dtype=self.dtype,
             run_dir=self.rendezvous_dir,
             store_name=self.store,
             settings=self.training,

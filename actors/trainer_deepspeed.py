@@ -18,6 +18,11 @@ one trainer, and the ranks stay in step by construction. Nothing is unpickled fr
 group's sockets: commands travel as msgpack bytes in a uint8 tensor (``encode_command``),
 RNG states and parameter digests as fixed-size uint8 tensors; no object collectives.
 
+On CUDA (``cluster.accelerator = "cuda"``) each rank trains on its GPU (``gpu``:
+``torch.cuda.set_device``) in an NCCL group, in bf16 with ``model.dtype = "bfloat16"``
+(DeepSpeed's ``bf16`` section: fp32 master weights in the optimizer); the command broadcast
+stays on a gloo group of its own (host tensors). Everything else is the CPU path.
+
 DeepSpeed on CPU (reference/platform-notes.md §2): gloo, fp32, torch's AdamW at ZeRO 1/2
 (no FusedAdam JIT). ZeRO-3 builds the model under ``zero.Init`` and uses FusedAdam, since
 DeepSpeed's ``offload_states`` refuses other optimizers at stage 3; its first use JIT-builds
@@ -57,7 +62,7 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -123,10 +128,13 @@ def _import_deepspeed():
     return deepspeed
 
 
-def init_process_group(rank: int, world_size: int, rendezvous: str) -> None:
-    """Join the trainer's gloo process group (``rendezvous``: an init_method URL such as
-    ``file:///run/trainer.rendezvous`` or ``tcp://127.0.0.1:PORT``) and set the environment
-    DeepSpeed reads, so that it needs neither a launcher nor MPI discovery."""
+def init_process_group(
+    rank: int, world_size: int, rendezvous: str, *, backend: str = "gloo"
+) -> None:
+    """Join the trainer's process group (``backend``: ``pivot.accelerator.dist_backend``;
+    ``rendezvous``: an init_method URL such as ``file:///run/trainer.rendezvous`` or
+    ``tcp://127.0.0.1:PORT``) and set the environment DeepSpeed reads, so that it needs
+    neither a launcher nor MPI discovery."""
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -135,7 +143,7 @@ def init_process_group(rank: int, world_size: int, rendezvous: str) -> None:
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size)
     )
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=rendezvous,
         rank=rank,
         world_size=world_size,
@@ -146,12 +154,15 @@ def init_process_group(rank: int, world_size: int, rendezvous: str) -> None:
 # ---- the engine, on every rank --------------------------------------------------------------------
 
 
-def deepspeed_config(settings: TrainingSettings) -> dict[str, Any]:
-    """The DeepSpeed config for these settings (fp32 throughout)."""
+def deepspeed_config(settings: TrainingSettings, *, bf16: bool = False) -> dict[str, Any]:
+    """The DeepSpeed config for these settings: fp32 throughout, or with ``bf16`` the model
+    and its gradients in bf16 over fp32 master weights (``model.dtype = "bfloat16"``)."""
     zero: dict[str, Any] = {"stage": settings.zero_stage}
     if settings.zero_stage == 3:
         zero["stage3_param_persistence_threshold"] = settings.zero3_persistence_threshold
+    precision = {"bf16": {"enabled": True}} if bf16 else {}
     return {
+        **precision,
         "train_micro_batch_size_per_gpu": settings.micro_batch_size,
         "gradient_accumulation_steps": 1,
         # the caller owns the accumulation boundary: any number of micro-batches per step
@@ -175,9 +186,10 @@ def deepspeed_config(settings: TrainingSettings) -> dict[str, Any]:
 
 
 class DeepSpeedTrainer:
-    """``TrainingEngine`` on one rank of an initialised gloo group (every rank makes the same
+    """``TrainingEngine`` on one rank of an initialised process group (every rank makes the same
     calls). Loads whatever Hugging Face causal-LM folder ``AutoModelForCausalLM`` loads; trains
-    in fp32. ``resume``: a checkpoint's ``trainer/`` to continue from (``checkpoint`` is then
+    in fp32, or in bf16 with ``bf16`` (on a GPU: the group's rank is on its device, see
+    ``init_process_group``). ``resume``: a checkpoint's ``trainer/`` to continue from (``checkpoint`` is then
     its ``policy/``). ``gps``: a GPS store whose published version replaces the weights of
     ``checkpoint`` and becomes this trainer's version, with a fresh optimizer and the learning
     rate schedule at that step (a group restarted without a checkpoint of that version)."""
@@ -190,6 +202,7 @@ class DeepSpeedTrainer:
         clock: Callable[[], float] = time.perf_counter,
         resume: str | Path | None = None,
         gps: str | None = None,
+        bf16: bool = False,
     ) -> None:
         import torch.distributed as dist
         from transformers import AutoConfig
@@ -203,14 +216,14 @@ class DeepSpeedTrainer:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self._deepspeed = deepspeed
-        deepspeed.init_distributed(dist_backend="gloo")
+        deepspeed.init_distributed(dist_backend=dist.get_backend())
 
         config = AutoConfig.from_pretrained(self.checkpoint)
         model_class = causal_lm_class(config)
         config.use_cache = False
         self.config = config
         self.pad_id = config.pad_token_id if config.pad_token_id is not None else 0
-        ds_config = deepspeed_config(settings)
+        ds_config = deepspeed_config(settings, bf16=bf16)
         torch.manual_seed(settings.seed)
         if settings.zero_stage == 3:
             # built partitioned, without Hugging Face's weight init (it indexes into
@@ -234,9 +247,13 @@ class DeepSpeedTrainer:
         self._reference = None
         if settings.kl_coef > 0.0:
             # a frozen whole copy on every rank: fine for the policies pivot trains on CPU
-            self._reference = model_class.from_pretrained(
-                self.checkpoint, config=config, dtype=torch.float32
-            ).eval()
+            self._reference = (
+                model_class.from_pretrained(
+                    self.checkpoint, config=config, dtype=torch.bfloat16 if bf16 else torch.float32
+                )
+                .to(self.engine.device)
+                .eval()
+            )
             self._reference.requires_grad_(False)
         if gps is None:
             self._version = 0
@@ -809,9 +826,13 @@ def trainer_rank(
     controller: str | None = None,
     resume: str | None = None,
     checkpoints: str | None = None,
+    accelerator: str = "cpu",
+    gpu: int | None = None,
+    dtype: str = "float32",
 ) -> Actor:
     """Factory for ``Supervisor.add_process``: rank ``rank`` of a trainer group training the
-    Hugging Face checkpoint ``checkpoint``. Rank 0 returns the ``Trainer`` (and, with
+    Hugging Face checkpoint ``checkpoint`` (on ``accelerator``; on CUDA on GPU ``gpu``, in
+    ``dtype``). Rank 0 returns the ``Trainer`` (and, with
     ``store_name``, creates the GPS store of that name and writes every version there);
     the others return a ``TrainerFollower``. ``settings``: a ``TrainingSettings`` as a dict.
     ``controller``: the actor to tell when a batch waits for the lent pool (see ``Trainer``)."""
@@ -831,6 +852,9 @@ def trainer_rank(
             controller=controller,
             resume=resume,
             checkpoints=checkpoints,
+            accelerator=accelerator,
+            gpu=gpu,
+            dtype=dtype,
         )
 
 
@@ -863,17 +887,30 @@ def _trainer_rank(
     controller: str | None,
     resume: str | None,
     checkpoints: str | None,
+    accelerator: str,
+    gpu: int | None,
+    dtype: str,
 ) -> Actor:
+    from pivot.accelerator import dist_backend
+
     torch.set_num_threads(threads)
     training = convert(settings or {}, TrainingSettings, "trainer settings")
+    if accelerator == "cuda":  # before the group: NCCL binds each rank to the current device
+        torch.cuda.set_device(gpu or 0)
     # each start of the group meets afresh: a killed group leaves its rendezvous file behind
-    init_process_group(rank, world_size, f"{rendezvous}.{os.environ.get(START_ENV, '0')}")
+    init_process_group(
+        rank,
+        world_size,
+        f"{rendezvous}.{os.environ.get(START_ENV, '0')}",
+        backend=dist_backend(accelerator),
+    )
     start = _choose_start(rank, checkpoint, resume, store_name, checkpoints)
     engine = DeepSpeedTrainer(
         start.policy,
         training,
         resume=start.trainer,
         gps=store_name if start.source == "gps" else None,
+        bf16=dtype == "bfloat16",
     )
     store = None
     if rank == 0 and store_name is not None:
@@ -936,6 +973,9 @@ def trainer_group(
     ready_timeout: float = 600.0,
     resume: str | Path | None = None,
     checkpoints: str | Path | None = None,
+    accelerator: str = "cpu",
+    gpus: Sequence[int] | None = None,
+    dtype: str = "float32",
 ) -> list[tuple[str, ChildProcess]]:
     """The child processes of every rank of a trainer group, by actor name (``trainer_names``,
     each of which ``directory`` must hold), in the order to supervise them.
@@ -951,6 +991,8 @@ def trainer_group(
     folder (``DeepSpeedTrainer.save``) whose optimizer state and version the group continues
     from; ``checkpoint`` is then that checkpoint's ``policy/``. ``checkpoints``: the run's
     checkpoints folder, where a restarted group looks for the last complete one.
+    ``accelerator``: ``cpu``, or ``cuda`` with rank r on GPU ``gpus[r]`` (default: GPU r), in
+    ``dtype`` (``model.dtype``).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, found {world_size}")
@@ -983,6 +1025,9 @@ def trainer_group(
                     "controller": controller if rank == 0 else None,
                     "resume": str(Path(resume).absolute()) if resume is not None else None,
                     "checkpoints": str(Path(checkpoints).absolute()) if checkpoints else None,
+                    "accelerator": accelerator,
+                    "gpu": (list(gpus)[rank] if gpus else rank) if accelerator == "cuda" else None,
+                    "dtype": dtype,
                 },
                 env=env,
                 ready_timeout=ready_timeout,

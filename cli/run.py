@@ -23,6 +23,7 @@ from pathlib import Path
 
 import msgspec
 
+from pivot.accelerator import cuda_missing
 from pivot.actors.assembly import (
     CONTROLLER,
     DRIVER,
@@ -208,6 +209,8 @@ class Job:
             ),
             max_running=self.job.model.max_running,
             engine=self.job.model.engine,
+            accelerator=self.job.cluster.accelerator,
+            dtype=self.job.model.dtype,
             threads=self.job.cluster.threads_per_device,
             seed=self.job.seed,
             training=self.job.training,
@@ -625,6 +628,7 @@ def prepare(
     try:
         job.validate(config)
         check_engine_installed(job, config)
+        check_accelerator(job, config)
     except ConfigError as exc:
         raise blame_overrides(exc, overrides) from None
     _check_attach(job, config)
@@ -689,6 +693,24 @@ def check_engine_installed(job: JobConfig, config: str) -> None:
             "its own: README, 'GPU (SGLang)')",
             f"'sglang' where {missing}",
         )
+
+
+def check_accelerator(job: JobConfig, config: str) -> None:
+    """This host has the GPUs ``cluster.accelerator = "cuda"`` and ``cluster.devices`` ask for
+    (torch is imported only then: the CPU path never asks it)."""
+    if job.cluster.accelerator != "cuda":
+        return
+    import torch
+
+    problem = cuda_missing(
+        job.cluster.accelerator,
+        job.cluster.devices,
+        available=torch.cuda.is_available(),
+        count=torch.cuda.device_count(),
+        cpu_build=torch.version.cuda is None,
+    )
+    if problem is not None:
+        raise ConfigError(config, *problem)
 
 
 def available_memory() -> int | None:

@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from pivot.accelerator import Accelerator, DType
 from pivot.cluster import Role
 from pivot.config import (
     ConfigError,
@@ -30,12 +31,18 @@ from pivot.training import TrainingSettings
 
 
 class ClusterSection(ConfigStruct):
-    """CPU "devices": one role-agent process per device, torch pinned to its threads.
+    """The devices: one role-agent process per device.
+
+    ``accelerator``: ``cpu``, a device is a process with torch pinned to its threads; or
+    ``cuda``, device N is GPU N (``cuda:N``; ``devices`` at most ``torch.cuda.device_count()``),
+    where the torch engine serves one replica per GPU, each trainer rank trains on its GPU over
+    NCCL, and SGLang serves on its GPU (``pivot.accelerator``).
 
     The last ``trainer_devices`` form the trainer pool (one DeepSpeed rank each); the others
     are the shared pool of rollout and reward replicas.
     """
 
+    accelerator: Accelerator = "cpu"
     devices: Count(4096) = 4
     threads_per_device: PositiveInt = 1
     trainer_devices: PositiveInt = 2
@@ -63,15 +70,19 @@ class DeploymentSection(ConfigStruct):
 class ModelSection(ConfigStruct):
     """Hugging Face checkpoint folders; a bare name is one of the models pivot ships.
 
-    ``engine``: what serves rollout and GenRM replicas: ``torch``, pivot's own engine (CPU), or
-    ``sglang``, an in-process SGLang engine per replica on its GPU (the ``gpu`` extra, in a
-    venv of its own: README, "GPU (SGLang)").
+    ``engine``: what serves rollout and GenRM replicas: ``torch``, pivot's own engine (CPU, or
+    one GPU per replica with ``cluster.accelerator = "cuda"``), or ``sglang``, an in-process
+    SGLang engine per replica on its GPU (the ``gpu`` extra, in a venv of its own: README,
+    "GPU (SGLang)"). ``dtype``: the torch engine's weights and KV cache and the trainer's
+    DeepSpeed precision: ``float32``, or ``bfloat16`` (``cluster.accelerator = "cuda"``
+    only); SGLang serves in bfloat16 either way.
     """
 
     policy: str = "tiny-policy"
     genrm: str = "tiny-genrm"
     max_running: Count(65_536) = 32
     engine: Literal["torch", "sglang"] = "torch"
+    dtype: DType = "float32"
 
 
 class RolloutSection(ConfigStruct):
@@ -244,6 +255,13 @@ class JobConfig(ConfigStruct):
                 "cluster.trainer_devices",
                 f"fewer than cluster.devices = {c.devices} (inference needs shared devices)",
                 f"int {c.trainer_devices}",
+            )
+        if self.model.dtype == "bfloat16" and c.accelerator != "cuda":
+            raise ConfigError(
+                source,
+                "model.dtype",
+                "'float32' on CPU (bfloat16 needs cluster.accelerator = 'cuda')",
+                f"{self.model.dtype!r}",
             )
         self._check_reward(source)
         judged = self.reward.kind == "genrm"

@@ -7,15 +7,18 @@
 #   2. checks pivot/actors/sglang_surface.py against the installed SGLang's source;
 #   3. runs the engine conformance suite against real SGLang on the GPU
 #      (scripts/gpu_conformance.py);
-#   4. runs `pivot bench shift` on the tiny job with model.engine = "sglang" under pivot and
-#      one baseline (disaggregated), a few steps each: shift phases (release, GPS read,
-#      register), migration abort / dispatch / re-prefill medians, samples/s per deployment;
+#   4. runs `pivot bench shift` on the tiny job on CUDA (cluster.accelerator = "cuda",
+#      model.engine = "sglang", model.dtype = "bfloat16": device N is GPU N, the trainer one
+#      NCCL rank on the last GPU) under pivot and one baseline (disaggregated), a few steps
+#      each: shift phases (release, GPS read, register), migration abort / dispatch /
+#      re-prefill medians, samples/s per deployment;
 # then prints one JSON object with all of it. Each step's first line says which step it is.
 #
-# Status: written before any GPU was available; steps 1-3 are complete. Step 4 also needs
-# part 3 of the issue (devices as GPU indices, the trainer on CUDA): until then an agent's
-# device index is its base_gpu_id, so on one GPU only cluster.devices = 1 inference device
-# maps, and the trainer runs on CPU; the JSON reports step 4's error instead of stopping.
+# Status: written before any GPU was available. Step 4 uses every visible GPU as one job
+# device (cluster.devices = the GPU count, trainer_devices = 1): disaggregated with a GenRM
+# needs 3 (rollout, GenRM, trainer), so on fewer GPUs pivot refuses the config in one line
+# (job devices sharing a GPU are not supported yet) and the JSON reports that as step 4's
+# error instead of stopping.
 set -uo pipefail
 
 STEPS=${PIVOT_GPU_CHECK_STEPS:-3}
@@ -44,8 +47,11 @@ echo "[3/4] engine conformance suite against SGLang on the GPU (scripts/gpu_conf
 "$PY" scripts/gpu_conformance.py >"$OUT/conformance.json" 2>"$OUT/conformance.log"
 conformance_rc=$?
 
-echo "[4/4] pivot bench shift, model.engine = sglang, pivot and disaggregated, $STEPS steps ..."
-sed 's/^max_running = 32$/max_running = 32\nengine = "sglang"/' configs/tiny.toml >"$OUT/gpu-tiny.toml"
+GPUS=$(nvidia-smi --list-gpus 2>/dev/null | wc -l)
+echo "[4/4] pivot bench shift on $GPUS CUDA devices, model.engine = sglang, pivot and disaggregated, $STEPS steps ..."
+sed -e 's/^max_running = 32$/max_running = 32\nengine = "sglang"\ndtype = "bfloat16"/' \
+    -e "s/^devices = 4 .*/devices = $GPUS\naccelerator = \"cuda\"/" \
+    -e 's/^trainer_devices = 2 .*/trainer_devices = 1/' configs/tiny.toml >"$OUT/gpu-tiny.toml"
 "$VENV/bin/pivot" bench shift "$OUT/gpu-tiny.toml" --steps "$STEPS" \
     --deployments pivot disaggregated --run-dir "$OUT/runs" --json \
     >"$OUT/bench.json" 2>"$OUT/bench.log"

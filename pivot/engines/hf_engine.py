@@ -1,4 +1,4 @@
-"""The transformers fallback engine (CPU): any causal LM transformers has, behind the
+"""The transformers fallback engine (CPU, or one CUDA GPU): any causal LM transformers has, behind the
 ``pivot.engines.protocol.InferenceEngine`` protocol, for the checkpoints pivot's own torch
 engine does not serve (``pivot.engines.checkpoint.FallbackSpec``).
 
@@ -51,7 +51,8 @@ def causal_lm_class(config: Any) -> type:
 
 class TransformersEngine(SteppedEngine):
     """An inference engine over a transformers causal LM (``model``, a ``PreTrainedModel``),
-    in float32 and eval mode, one forward per sequence per step.
+    in eval mode, one forward per sequence per step, on ``device`` in ``dtype`` (logits come
+    back to the host, where sampling runs).
 
     ``tensors``: its weights (checkpoint names, every parameter); without them the model's
     own parameter values are its weights. ``max_seq_len`` defaults to the config's
@@ -69,6 +70,8 @@ class TransformersEngine(SteppedEngine):
         max_seq_len: int | None = None,
         eos_token_ids: Iterable[int] | None = None,
         threads: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
         clock: Callable[[], float] | None = None,
         seed: int = 0,
         weights_version: int = 0,
@@ -90,7 +93,9 @@ class TransformersEngine(SteppedEngine):
             seed=seed,
             weights_version=weights_version,
         )
-        self.model = model.to(torch.float32).eval()
+        self.device = torch.device(device)
+        self._cuda = self.device.type == "cuda"
+        self.model = model.to(device=self.device, dtype=dtype).eval()
         self.model.requires_grad_(False)
         # transformers 5 renamed past_key_values to cache (the old name warns, then goes)
         forward = inspect.signature(self.model.forward).parameters
@@ -175,19 +180,21 @@ class TransformersEngine(SteppedEngine):
             )
         with torch.no_grad():
             for target, tensor in plan:
-                target.copy_(tensor.detach())
+                target.copy_(tensor.detach(), non_blocking=self._cuda)
                 self._loaded.add(id(target))
+            if self._cuda:  # the caller may refill its (pinned) host buffers once this returns
+                torch.cuda.synchronize(self.device)
         self._context.loaded(all(i in self._loaded for i in self._unique))
         self.weights_version = version
 
     def _free_weights(self) -> None:
         for _, p in self._unique.values():
-            p.data = torch.empty(0, dtype=p.dtype)
+            p.data = torch.empty(0, dtype=p.dtype, device=self.device)
         self._loaded = set()
 
     def _allocate_weights(self) -> None:
         for name, p in self._unique.values():
-            p.data = torch.zeros(self._shapes[name], dtype=p.dtype)
+            p.data = torch.zeros(self._shapes[name], dtype=p.dtype, device=self.device)
         self._loaded = set()
 
     def _unloaded(self) -> str:
@@ -204,21 +211,21 @@ class TransformersEngine(SteppedEngine):
     def _prefill(self, seqs: list[Held]) -> torch.Tensor:
         rows = []
         for s in seqs:
-            ids = torch.tensor([s.prompt_ids + s.output_ids], dtype=torch.long)
+            ids = torch.tensor([s.prompt_ids + s.output_ids], dtype=torch.long).to(self.device)
             out = self.model(input_ids=ids, use_cache=True)
             s.cache, s.cache_len = _cache_of(out), ids.shape[1]
             rows.append(out.logits[0, -1])
-        return torch.stack(rows).float()
+        return torch.stack(rows).float().cpu()  # a no-op on CPU
 
     def _decode(self, seqs: list[Held]) -> torch.Tensor:
         rows = []
         for s in seqs:
-            ids = torch.tensor([[s.output_ids[-1]]], dtype=torch.long)
+            ids = torch.tensor([[s.output_ids[-1]]], dtype=torch.long).to(self.device)
             out = self.model(input_ids=ids, use_cache=True, **{self._cache_arg: s.cache})
             s.cache = _cache_of(out)
             s.cache_len += 1
             rows.append(out.logits[0, -1])
-        return torch.stack(rows).float()
+        return torch.stack(rows).float().cpu()  # a no-op on CPU
 
 
 def _cache_of(out: Any) -> Any:

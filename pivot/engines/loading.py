@@ -5,6 +5,7 @@ the weights of either, in Hugging Face names. Importing this module loads no tor
 
     load_engine(folder, tensors=None, **engine_kwargs) -> TorchEngine | TransformersEngine
     read_weights(folder) -> {name: tensor}
+    torch_dtype("bfloat16") -> torch.bfloat16    (``model.dtype``'s names)
 """
 
 from __future__ import annotations
@@ -27,6 +28,16 @@ def read_tensors(files: Iterable[Path]) -> dict[str, Any]:
     for file in files:
         tensors.update(load_file(str(file)))
     return tensors
+
+
+def torch_dtype(name: str) -> Any:
+    """The torch dtype ``model.dtype`` names (``pivot.accelerator.DType``)."""
+    import torch
+
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"not a torch dtype: {name!r}")
+    return dtype
 
 
 def read_weights(path: str | Path) -> dict[str, Any]:

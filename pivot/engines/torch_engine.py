@@ -1,4 +1,4 @@
-"""The torch inference backend (CPU): a pure-torch forward of the Llama-shaped decoders
+"""The torch inference backend (CPU, or one CUDA GPU): a pure-torch forward of the Llama-shaped decoders
 (Llama, Mistral, Qwen2, Qwen3; ``pivot.engines.checkpoint.DecoderSpec``) with a preallocated
 KV cache and continuous batching, behind the ``pivot.engines.protocol.InferenceEngine``
 protocol. Other checkpoints run on the transformers fallback (``pivot.engines.hf_engine``;
@@ -20,6 +20,11 @@ in a step are prefilled together (right-padded, causal) and sample their first t
 step; the others decode one token. Parameters live in a few fused tensors (q|k|v and
 gate|up per layer) and every checkpoint name is a view into them, which is what
 ``load_weights`` copies into.
+
+On a GPU (``device="cuda:N"``) the parameters, KV cache and rotary tables live there, one GPU
+per engine (no tensor parallelism); logits come back to the host, where sampling runs as on
+CPU. Weights are copied in without blocking (from pinned host buffers when the caller pins
+them) and the copy is awaited before ``load_weights`` returns, so the buffers may be reused.
 """
 
 from __future__ import annotations
@@ -79,7 +84,8 @@ class _Weights:
 
 class TorchEngine(SteppedEngine):
     """An inference engine for the Llama-shaped decoders (``DecoderSpec``: Llama, Mistral,
-    Qwen2, Qwen3) on torch (CPU), continuous batching over a static KV cache.
+    Qwen2, Qwen3) on torch (CPU or a CUDA ``device``), continuous batching over a static
+    KV cache; ``dtype`` is the weights' and the cache's.
 
     ``threads`` sets torch's intra-op threads (process-wide: the job pins one per device).
     ``clock`` (seconds, monotonic) measures step latency; without one latencies read 0.
@@ -96,6 +102,7 @@ class TorchEngine(SteppedEngine):
         eos_token_ids: Iterable[int] | None = None,
         threads: int | None = None,
         dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
         clock: Callable[[], float] | None = None,
         seed: int = 0,
         weights_version: int = 0,
@@ -113,6 +120,8 @@ class TorchEngine(SteppedEngine):
         )
         self.spec = spec
         self.dtype = dtype
+        self.device = torch.device(device)
+        self._cuda = self.device.type == "cuda"
         self._loaded: set[str] = set()
         self._weights: _Weights | None = self._allocate_weights()
         self._k: torch.Tensor | None = None
@@ -147,7 +156,7 @@ class TorchEngine(SteppedEngine):
         q, kv = s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
 
         def zeros(*shape: int) -> torch.Tensor:
-            return torch.zeros(*shape, dtype=self.dtype)
+            return torch.zeros(*shape, dtype=self.dtype, device=self.device)
 
         embed = zeros(s.vocab_size, s.hidden_size)
         lm_head = embed if s.tie_word_embeddings else zeros(s.vocab_size, s.hidden_size)
@@ -195,15 +204,15 @@ class TorchEngine(SteppedEngine):
             self.max_seq_len,
             s.head_dim,
         )
-        self._k = torch.zeros(shape, dtype=self.dtype)
-        self._v = torch.zeros(shape, dtype=self.dtype)
+        self._k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self._v = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def _rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         d = self.spec.head_dim
         inv_freq = 1.0 / (self.spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
         freqs = torch.outer(torch.arange(self.max_seq_len, dtype=torch.float), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        return emb.cos().to(self.device, self.dtype), emb.sin().to(self.device, self.dtype)
 
     def parameter_names(self) -> list[str]:
         """Checkpoint names ``load_weights`` accepts (with tied embeddings, lm_head.weight too)."""
@@ -251,8 +260,10 @@ class TorchEngine(SteppedEngine):
             )
         with torch.no_grad():
             for key, target, tensor in plan:
-                target.copy_(tensor.detach())
+                target.copy_(tensor.detach(), non_blocking=self._cuda)
                 self._loaded.add(key)
+            if self._cuda:  # the caller may refill its host buffers once this returns
+                torch.cuda.synchronize(self.device)
         self._context.loaded(len(self._loaded) == len(views))
         self.weights_version = version
 
@@ -287,7 +298,7 @@ class TorchEngine(SteppedEngine):
         """Logits (float32, [len, vocab]) at every position of one token sequence, computed
         without the KV cache: for checks against other implementations and for scoring."""
         self._context.check_weights("compute logits")
-        ids = torch.tensor([list(token_ids)], dtype=torch.long)
+        ids = torch.tensor([list(token_ids)], dtype=torch.long).to(self.device)
         width = ids.shape[1]
         if not 1 <= width <= self.max_seq_len:
             raise ValueError(f"need 1..{self.max_seq_len} tokens, got {width}")
@@ -307,7 +318,8 @@ class TorchEngine(SteppedEngine):
         ids = torch.zeros(len(seqs), width, dtype=torch.long)
         for i, c in enumerate(contexts):
             ids[i, : len(c)] = torch.tensor(c, dtype=torch.long)
-        slots = torch.tensor([s.slot for s in seqs], dtype=torch.long)
+        slots = torch.tensor([s.slot for s in seqs], dtype=torch.long).to(self.device)
+        ids = ids.to(self.device)
         cos, sin = self._cos[:width][None, None], self._sin[:width][None, None]
         w = self._weights
         h = F.embedding(ids, w.embed)
@@ -318,8 +330,8 @@ class TorchEngine(SteppedEngine):
             self._v[i, slots, :, :width] = v
             attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             h = self._finish_layer(h, attn, layer)
-        last = torch.tensor(lengths) - 1
-        h = h[torch.arange(len(seqs)), last]
+        last = torch.tensor(lengths, device=self.device) - 1
+        h = h[torch.arange(len(seqs), device=self.device), last]
         for s, n in zip(seqs, lengths, strict=True):
             s.cache_len = n
         return self._logits(h)
@@ -327,12 +339,13 @@ class TorchEngine(SteppedEngine):
     def _decode(self, seqs: list[Held]) -> torch.Tensor:
         """One token for each running sequence (slots 0..n-1), attending over its cache."""
         n = len(seqs)
-        ids = torch.tensor([[s.output_ids[-1]] for s in seqs], dtype=torch.long)
-        pos = torch.tensor([s.cache_len for s in seqs], dtype=torch.long)
-        width = int(pos.max()) + 1
+        ids = torch.tensor([[s.output_ids[-1]] for s in seqs], dtype=torch.long).to(self.device)
+        lengths = [s.cache_len for s in seqs]
+        pos = torch.tensor(lengths, dtype=torch.long).to(self.device)
+        width = max(lengths) + 1
         cos, sin = self._cos[pos][:, None, None], self._sin[pos][:, None, None]
-        rows = torch.arange(n)
-        mask = (torch.arange(width)[None, :] <= pos[:, None])[:, None, None, :]
+        rows = torch.arange(n, device=self.device)
+        mask = (torch.arange(width, device=self.device)[None, :] <= pos[:, None])[:, None, None, :]
         w = self._weights
         h = F.embedding(ids, w.embed)
         for i, layer in enumerate(w.layers):
@@ -373,7 +386,8 @@ class TorchEngine(SteppedEngine):
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         s, w = self.spec, self._weights
-        return F.linear(F.rms_norm(h, (s.hidden_size,), w.norm, s.rms_norm_eps), w.lm_head).float()
+        logits = F.linear(F.rms_norm(h, (s.hidden_size,), w.norm, s.rms_norm_eps), w.lm_head)
+        return logits.float().cpu()  # sampling runs on the host (a no-op on CPU)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -275,3 +275,32 @@ def test_the_sglang_engine_without_sglang_installed_is_one_line_and_starts_nothi
     assert "override model.engine: key 'model.engine': expected 'torch', or SGLang" in line
     assert "'gpu' extra" in line and "no module named 'sglang'" in line
     assert not run_dir.exists() and not started
+
+
+def test_a_cuda_config_on_a_host_without_cuda_is_one_line_and_starts_nothing(
+    tmp_path, capsys, started
+):
+    run_dir = tmp_path / "run"
+    tiny = str(REPO / "configs/tiny.toml")
+    code = main(["run", tiny, "cluster.accelerator=cuda", "--run-dir", str(run_dir)])
+    assert code == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert "override cluster.accelerator: key 'cluster.accelerator': expected a CUDA device" in line
+    assert "found none: this torch is the CPU build" in line
+    assert not run_dir.exists() and not started
+
+
+def test_more_cuda_devices_than_the_host_has_is_one_line_and_starts_nothing(
+    tmp_path, capsys, started, monkeypatch
+):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a host with one GPU
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    run_dir = tmp_path / "run"
+    tiny = str(REPO / "configs/tiny.toml")
+    code = main(["run", tiny, "cluster.accelerator=cuda", "--run-dir", str(run_dir)])
+    assert code == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert "key 'cluster.devices': expected at most the 1 CUDA devices here" in line
+    assert not run_dir.exists() and not started
