@@ -177,9 +177,6 @@ class _Batch:
         self.last_response_at = 0.0
         self.done = asyncio.Event()  # every rollout returned and every sample scored
 
-    def issued(self, seq_id: int) -> None:
-        self.ids.add(seq_id)
-
     def completed(self, role: str, completion: Completion, now: float) -> None:
         by = self.rollout_by if role == "rollout" else self.reward_by
         by[completion.replica] = by.get(completion.replica, 0) + 1
@@ -203,8 +200,7 @@ class _Account:
         self.batch = batch
 
     def issued(self, seq_id: int) -> None:
-        self.batch.issued(seq_id)
-        self.driver._owner[seq_id] = self.batch
+        self.driver._own(self.batch, seq_id)
 
     def completed(self, role: str, completion: Completion) -> None:
         self.batch.completed(role, completion, self.driver.clock.now())
@@ -448,8 +444,7 @@ class Driver(Actor):
             ]
             for sample in samples:
                 batch.samples[sample.seq_id] = sample
-                batch.issued(sample.seq_id)
-                self._owner[sample.seq_id] = batch
+                self._own(batch, sample.seq_id)
         batch.open_rollouts -= 1
         if trajectories is None:
             batch.scored += 1
@@ -467,7 +462,7 @@ class Driver(Actor):
         sample.correct = source.check(sample)
         if source.judged:
             work = source.judge(sample)
-            batch.issued(work.seq_id)
+            self._own(batch, work.seq_id)
             sample.judgment = await self.calls.call("reward", work)
             batch.completed("reward", sample.judgment, self.clock.now())
         pending = source.score(sample)
@@ -492,7 +487,7 @@ class Driver(Actor):
         sample = Sample(
             seq_id=self.calls.new_id(), group=task.group, task=task, trajectory=trajectory
         )
-        self._owner[sample.seq_id] = batch
+        self._own(batch, sample.seq_id)
         try:
             await self._reward(batch, sample)
         finally:
@@ -639,6 +634,12 @@ class Driver(Actor):
         if batch is None:
             batch = self._open[step] = _Batch(step, self.source)
         return batch
+
+    def _own(self, batch: _Batch, seq_id: int) -> None:
+        """``seq_id`` is ``batch``'s until it trained: its completions are found, repeats
+        counted, and the id released with the batch."""
+        batch.ids.add(seq_id)
+        self._owner[seq_id] = batch
 
     def _release(self, batch: _Batch) -> None:
         for seq_id in batch.ids:

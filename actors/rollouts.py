@@ -53,9 +53,6 @@ class Calls:
     def new_id(self) -> int:
         return next(self._ids)
 
-    def waiting(self, role: str) -> int:
-        return sum(1 for r, _ in self._waiting if r == role)
-
     async def call(self, role: str, work: Work) -> Completion:
         scheduler = self.schedulers.get(role)
         if scheduler is None:

@@ -325,11 +325,13 @@ class PromptSource:
         log.warning("reward failed", seq_id=sample.seq_id, cause=failed.cause, detail=failed.detail)
 
     def done(self, sample: Sample, dump: bool = True) -> None:
-        open_ = self._open.pop(sample.seq_id, None) or _Open()
         if self.sink is None or not dump:
+            self._open.pop(sample.seq_id, None)
             return
         judgment = sample.judgment
         task, trajectory = sample.task, sample.trajectory
+        text = self._text(sample) if trajectory is not None else None  # decoded once
+        open_ = self._open.pop(sample.seq_id, None) or _Open()
         masked = trajectory is not None and 0 in trajectory.loss_mask
         self.sink(
             {
@@ -339,7 +341,7 @@ class PromptSource:
                 "index": task.index,
                 "prompt": task.prompt,
                 "reference": task.reference,
-                "response": open_.text if trajectory is None else self._text_of(trajectory),
+                "response": text,
                 "score": sample.score,
                 "failure": sample.failure,
                 "correct": sample.correct,
@@ -353,9 +355,6 @@ class PromptSource:
                 else None,
             }
         )
-
-    def _text_of(self, trajectory: Trajectory) -> str:
-        return self.codec.decode(trajectory.response_ids)
 
     def train_request(self, step: int, samples: list[Sample]) -> RLMessage | None:
         from pivot.training import RolloutSample

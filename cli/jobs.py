@@ -65,7 +65,9 @@ class _Caller:
         seed: int | None = None,
         session: str = "",
     ) -> Generation:
-        """One sequence through the job's rollout scheduler (the job's sampling defaults)."""
+        """One sequence through the job's rollout scheduler; unset parameters are ``Run``'s
+        job's rollout sampling, ``SamplingParams``' defaults for an attached job (whose
+        config this process does not read)."""
         sampling = sampling_with(
             self.sampling,
             max_new_tokens=max_new_tokens,
@@ -128,7 +130,7 @@ class Run(_Caller):
         self.sampling = SamplingParams(
             max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p
         )
-        console = Console(file=open(os.devnull, "w"), soft_wrap=True)  # noqa: SIM115
+        console = Console(quiet=True, soft_wrap=True)
         self._runner = Job(
             job,
             policy,
