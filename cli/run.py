@@ -832,7 +832,8 @@ def main(args: argparse.Namespace) -> int:
     console.print(
         f"[bold]pivot run[/bold] {args.config}: GRPO, {inputs.steps} steps of "
         f"{job.rollout.prompts_per_step}x{job.rollout.samples_per_prompt} samples; {judge}; "
-        f"{c.devices} {c.accelerator.upper()} devices ({ranks} trainer ranks, ZeRO-{job.training.zero_stage}); "
+        f"{c.devices} {c.accelerator.upper()} devices ({ranks} trainer ranks, "
+        f"ZeRO-{job.training.zero_stage}); "
         f"deployment {d.kind}; torch engines and DeepSpeed over nng ipc://\n{inputs.data_line}\n"
         f"run dir: {run_dir}"
     )

@@ -20,11 +20,13 @@ Sharing a GPU:
   serve). The rest of the GPU stays free for activations, CUDA graphs and NCCL. SGLang takes
   its fraction of the memory *free* when it launches, so an engine launched after its GPU's
   other engines gets less than its share, never more: the shares add up whatever the order.
-* **The trainer.** NCCL refuses two ranks of one group on the same GPU, and gloo has no
-  reduce-scatter for DeepSpeed's ZeRO on CUDA tensors, so the trainer has one rank per
-  distinct GPU of its devices: the first trainer device on each GPU hosts it, and the other
-  trainer devices on that GPU are still the trainer's (lent to inference with the pool) but
-  run no rank. On CPU every trainer device is a rank, as before.
+* **The trainer.** NCCL refuses two ranks of one group on the same GPU ("Duplicate GPU
+  detected"); a gloo group would copy every collective of CUDA tensors through host memory,
+  and ranks sharing a GPU share its compute while each holds its own copy of the weights and
+  gradients (below ZeRO-3). So the trainer has one rank per distinct GPU of its devices: the
+  first trainer device on each GPU hosts it, and the other trainer devices on that GPU are
+  still the trainer's (lent to inference with the pool) but run no rank. On CPU every
+  trainer device is a rank, as before.
 """
 
 from __future__ import annotations

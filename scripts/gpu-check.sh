@@ -51,8 +51,11 @@ conformance_rc=$?
 GPUS=$(nvidia-smi --list-gpus 2>/dev/null | wc -l)
 DEVICES=$(( GPUS > 3 ? GPUS : 3 ))
 # job device N on GPU N mod GPUS (no GPU seen: all on GPU 0, and pivot says what is missing)
-MAP=$("$PY" -c 'import sys; g, n = (int(a) for a in sys.argv[1:]); print([d % max(g, 1) for d in range(n)])' "$GPUS" "$DEVICES")
-echo "[4/4] pivot bench shift on $GPUS GPUs (job devices' GPUs: $MAP), model.engine = sglang, pivot and disaggregated, $STEPS steps ..."
+MAP=$(sep=""; for ((d = 0; d < DEVICES; d++)); do
+    printf '%s%d' "$sep" $(( d % (GPUS > 0 ? GPUS : 1) )); sep=", "; done)
+MAP="[$MAP]"
+echo "[4/4] pivot bench shift on $GPUS GPUs (cluster.gpus = $MAP), model.engine = sglang," \
+    "pivot and disaggregated, $STEPS steps ..."
 sed -e 's/^max_running = 32$/max_running = 32\nengine = "sglang"\ndtype = "bfloat16"/' \
     -e "s/^devices = 4 .*/devices = $DEVICES\naccelerator = \"cuda\"\ngpus = $MAP/" \
     -e 's/^trainer_devices = 2 .*/trainer_devices = 1/' configs/tiny.toml >"$OUT/gpu-tiny.toml"
