@@ -23,7 +23,7 @@ the allocation changed, or at every Controller tick with ``check="tick"``.
 Throughput is measured from the Driver's step reports: samples (responses scored) and tokens
 (response + judgment tokens) per virtual second, over the whole run. Every run also reports its
 fraction of the physical bounds of the same steps (``pivot.bounds``, from the batches the
-source drew) and its time account over the same window (``pivot.account``, integrated from the
+source drew, at the job's staleness for every deployment) and its time account over the same window (``pivot.account``, integrated from the
 agents' engine calls, the shift events and the trainer's spans by ``pivot.actors.metering``).
 """
 
@@ -491,6 +491,7 @@ async def _simulate(
         cluster,
         time.perf_counter() - started,
         meter=backend.meter,
+        staleness=settings.staleness,
     )
 
 
@@ -503,10 +504,13 @@ def _result(
     wall_s: float,
     *,
     meter: DeviceMeter | None = None,
+    staleness: int = 0,
     first_step: int = 0,
 ) -> RunResult:
     """The run's figures; the bounds and the time account are of the steps from
-    ``first_step`` on (0: all of them) over the throughput's window."""
+    ``first_step`` on (0: all of them) over the throughput's window. The bounds take the
+    job's ``staleness`` whatever the deployment ran with (colocated runs synchronously): the
+    same yardstick for every deployment of a job."""
     reports = assembly.driver.reports
     schedulers = assembly.schedulers
     trainer: Any = assembly.trainer
@@ -548,7 +552,7 @@ def _result(
             workload,
             batches,
             devices=split.gpus,
-            staleness=assembly.driver.staleness,
+            staleness=staleness,
             window=(first, last),
             first_step=first_step,
             history=[(r.started_s, r.started_s + r.seconds) for r in reports[:first_step]],
