@@ -23,8 +23,9 @@ the allocation changed, or at every Controller tick with ``check="tick"``.
 Throughput is measured from the Driver's step reports: samples (responses scored) and tokens
 (response + judgment tokens) per virtual second, over the whole run. Every run also reports its
 fraction of the physical bounds of the same steps (``pivot.bounds``, from the batches the
-source drew, at the job's staleness for every deployment) and its time account over the same window (``pivot.account``, integrated from the
-agents' engine calls, the shift events and the trainer's spans by ``pivot.actors.metering``).
+source drew, at the job's staleness for every deployment) and its time account over the same
+window (``pivot.account``, integrated from the agents' engine calls, the shift events and the
+trainer's spans by ``pivot.actors.metering``).
 """
 
 from __future__ import annotations
