@@ -7,7 +7,8 @@ wrote one; for `pivot simulate`, its ``metrics.jsonl`` (run, step, sample, shift
 records of every simulated run) and ``summary.json``. The page holds the Figure-10-style
 throughput plot with its lane strip, the reward curve (accuracy, eval and loss when
 recorded), shift statistics by kind and phase, migration costs, a simulated run's fraction of
-the physical bounds and its time account, the step table and the resolved config; plots are embedded PNGs, so the file can be mailed or archived alone.
+the physical bounds and its time account, the step table and the resolved config; plots are
+embedded PNGs, so the file can be mailed or archived alone.
 """
 
 from __future__ import annotations
