@@ -12,8 +12,8 @@ baseline's best) it prints the fraction of the physical bounds reached (work-con
 critical-path, combined: ``pivot.bounds``) and the time account (device-seconds busy,
 under-filled, re-prefilling, idle, stalled on the trainer, trainer waiting, training, in
 transit: ``pivot.account``); ``--json`` has them under ``bound`` and ``account``, keyed by
-deployment, and every run's summary has its own. The run directory gets ``metrics.jsonl`` (one line per run,
-step, timeline sample, shift and training span), ``summary.json`` (the report it prints),
+deployment, and every run's summary has its own. The run directory gets ``metrics.jsonl``
+(one line per run, step, timeline sample, shift and training span), ``summary.json`` (the report it prints),
 one Figure-10-style plot per deployment, ``report.html`` (``pivot report``: every run on one
 page) and the Controller's shift journals; Ctrl-C leaves the same of the runs done so far. Each metrics line has ``record`` (run | step | sample | shift |
 train) and ``run`` (deployment-label).
