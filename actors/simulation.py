@@ -548,20 +548,24 @@ def _result(
     bound = run_account = None
     drawn = getattr(assembly.driver.source, "drawn", None)
     if drawn:
+        # the measured steps' window: from the first measured step's start to the last end
+        # (first_step 0: the throughput's window)
+        window = (reports[first_step].started_s, last)
         batches = [drawn[r.step] for r in reports]
         bound = workload_bound(
             workload,
             batches,
             devices=split.gpus,
             staleness=staleness,
-            window=(first, last),
+            window=window,
             first_step=first_step,
             history=[(r.started_s, r.started_s + r.seconds) for r in reports[:first_step]],
         )
         if meter is not None:
             meter.trained(trainer.spans)
-            near = {role: p.near_batch for role, p in operating_points(workload, batches).items()}
-            run_account = account(meter.ledger, (first, last), split.gpus, thresholds=near)
+            points = operating_points(workload, batches[first_step:])
+            near = {role: p.near_batch for role, p in points.items()}
+            run_account = account(meter.ledger, window, split.gpus, thresholds=near)
     return RunResult(
         deployment=split.kind,
         split=split,
