@@ -254,6 +254,10 @@ def _comparison_report(comparison: Any, args: argparse.Namespace) -> dict[str, A
         "shifts_per_step": round(pivot.shifts_per_step, 3) if pivot is not None else None,
         "bound": {kind: run.bound_fractions() for kind, run in used.items()},
         "account": {kind: run.account_seconds() for kind, run in used.items()},
+        # the batch from which decoding counts as busy (the same batches: the same for all)
+        "busy_from_batch": next(
+            (dict(r.account.thresholds) for r in used.values() if r.account is not None), {}
+        ),
         "splits": splits,
         "runs": [r.summary() for r in comparison.runs()],
     }
@@ -317,6 +321,16 @@ def _format(report: dict[str, Any], plots: list[Path]) -> str:
                 parts = ", ".join(f"{k} {v:.2f}x" for k, v in sorted(at_table4.items()))
                 lines.append(f"  (PivotRL at Table 4's trainer pool, not swept: {parts})")
         lines.extend(_bounds_table(report.get("bound") or {}, report.get("account") or {}))
+        busy_from = report.get("busy_from_batch") or {}
+        if busy_from:
+            from pivot.bounds import NEAR_EFFICIENT
+
+            parts = ", ".join(f"{role} {n}" for role, n in sorted(busy_from.items()))
+            lines.append(
+                f"  busy: decoding at least {parts} sequences a replica (at least "
+                f"{NEAR_EFFICIENT:.0%} of the efficient batch's tokens/s per device); "
+                "under: fewer"
+            )
     lines.append(f"run directory: {report['run_dir']}")
     for plot in plots:
         lines.append(f"  {'report' if plot.suffix == '.html' else 'plot'}: {plot}")

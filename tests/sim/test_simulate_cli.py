@@ -66,6 +66,8 @@ def test_json_comparison_is_the_same_bytes_for_the_same_seed(tmp_path, capsys):
         run = runs[(kind, report["throughput"][kind]["samples_per_s"])]
         assert run["bound"] == fractions and run["account"] == report["account"][kind]
         assert sum(run["account"].values()) == pytest.approx(8 * run["seconds"], abs=1.0)
+    # the threshold of "busy": 2 sequences, where ITL = max(10 ms, 5 ms x running) stops rising
+    assert report["busy_from_batch"] == {"rollout": 2, "reward": 2}
 
 
 def test_text_output_plot_and_horizon_study(tmp_path, capsys):
