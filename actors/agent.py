@@ -680,10 +680,17 @@ class Inline(_OnTheLoop):
 
 class FastForward(_OnTheLoop):
     """Sleep until the engine's next event, then run every iteration up to it in one call
-    (see the module docstring). One instance per agent: it holds the segment in flight."""
+    (see the module docstring). One instance per agent: it holds the segment in flight.
+    ``on_segment(agent, start, out)`` hears of every engine call: it ran from ``start`` for
+    ``out.cost_s`` (what a time account integrates)."""
 
-    def __init__(self, shift_cost: ShiftCost | None = None) -> None:
+    def __init__(
+        self,
+        shift_cost: ShiftCost | None = None,
+        on_segment: Callable[[RoleAgent, float, Any], None] | None = None,
+    ) -> None:
         super().__init__(shift_cost)
+        self.on_segment = on_segment
         # the engine time at which the segment in flight began (None: no segment in flight),
         # and the engine time up to which its iterations have run
         self._segment_start: float | None = None
@@ -719,6 +726,8 @@ class FastForward(_OnTheLoop):
             self._segment_start = None
             out = engine.step(max_tokens=None)
             self._engine_free_at = start + out.cost_s
+            if self.on_segment is not None:
+                self.on_segment(agent, start, out)
             agent._collect(out)
         await agent._publish_load(engine.stats())
 
@@ -736,6 +745,8 @@ class FastForward(_OnTheLoop):
             return
         out = engine.step(max_tokens=None, max_cost_s=elapsed)  # type: ignore[call-arg]
         self._engine_free_at = start + out.cost_s
+        if self.on_segment is not None:
+            self.on_segment(agent, start, out)
         agent._collect(out)
 
     def reset(self) -> None:

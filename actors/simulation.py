@@ -21,7 +21,11 @@ the allocation changed, or at every Controller tick with ``check="tick"``.
     simulated_cluster(clock, workload, split, settings, journal_path)   the kit's LocalCluster
 
 Throughput is measured from the Driver's step reports: samples (responses scored) and tokens
-(response + judgment tokens) per virtual second, over the whole run.
+(response + judgment tokens) per virtual second, over the whole run. Every run also reports its
+fraction of the physical bounds of the same steps (``pivot.bounds``, from the batches the
+source drew, at the job's staleness for every deployment) and its time account over the same
+window (``pivot.account``, integrated from the agents' engine calls, the shift events and the
+trainer's spans by ``pivot.actors.metering``).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from typing import Any, Literal, NamedTuple
 
 import msgspec
 
+from pivot.account import TimeAccount, account
 from pivot.actors.agent import FastForward, RoleAgent
 from pivot.actors.assembly import (
     CONTROLLER,
@@ -46,12 +51,14 @@ from pivot.actors.assembly import (
 )
 from pivot.actors.controller import ControllerSettings
 from pivot.actors.journal import Journal
+from pivot.actors.metering import DeviceMeter
 from pivot.actors.monitor import ShiftMarks
 from pivot.actors.scheduler import Scheduler
 from pivot.actors.sources import WorkloadSource
 from pivot.actors.testing import FaultPlan, InvariantViolation, LocalCluster
 from pivot.actors.trainer_sim import SimTrainingBackend
 from pivot.actors.vocabulary import SHIFT_TOPIC
+from pivot.bounds import Bound, operating_points, workload_bound
 from pivot.bus import Actor, Bus, Clock, run_virtual
 from pivot.bus.supervisor import SupervisorEscalation
 from pivot.cluster import INFERENCE_ROLES, Role, RoleSpec
@@ -150,7 +157,21 @@ class RunResult(msgspec.Struct, kw_only=True):
     trains: list[TrainSpan] = []
     checks: int = 0  # invariant checks that ran (and passed)
     recovered: int = 0  # Controller restarts after an injected crash
+    bound: Bound | None = None  # the physical bounds of the measured steps
+    account: TimeAccount | None = None  # where the devices' time went, same window
     wall_s: float = 0.0  # the only field that differs between runs of the same seed
+
+    def bound_fractions(self) -> dict[str, float]:
+        """The run's fraction (0-1) of the work-conserving, critical-path and combined bound."""
+        if self.bound is None:
+            return {}
+        return {k: round(v, 4) for k, v in self.bound.fractions().items()}
+
+    def account_seconds(self) -> dict[str, float]:
+        """Device-seconds per time-account category (summing to devices x window)."""
+        if self.account is None:
+            return {}
+        return {k: round(v, 1) for k, v in self.account.seconds.items()}
 
     def summary(self) -> dict[str, Any]:
         """The deterministic numbers (no timeline, no wall time)."""
@@ -166,6 +187,8 @@ class RunResult(msgspec.Struct, kw_only=True):
                 k: round(v, 4) if isinstance(v, float) else v
                 for k, v in msgspec.to_builtins(self.migration).items()
             },
+            "bound": self.bound_fractions(),
+            "account": self.account_seconds(),
         }
 
 
@@ -175,7 +198,7 @@ class RunResult(msgspec.Struct, kw_only=True):
 class _Observer(Actor):
     """Samples each role's decode throughput and outstanding sequences every ``interval``
     (reading the simulated engines and schedulers in process, so a sample costs no message),
-    and turns the Controller's shift events into ShiftMarks."""
+    and turns the Controller's shift events into ShiftMarks (and feeds them to ``meter``)."""
 
     def __init__(
         self,
@@ -187,8 +210,10 @@ class _Observer(Actor):
         models: Mapping[Role, Any],
         interval: float,
         fixed: Mapping[str, int],
+        meter: DeviceMeter | None = None,
     ) -> None:
         super().__init__(name, bus)
+        self.meter = meter
         self.agents = list(agents)
         self.schedulers = dict(schedulers)
         self.models = dict(models)
@@ -220,6 +245,8 @@ class _Observer(Actor):
             )
 
     def on_shift_event(self, msg: Any) -> None:
+        if self.meter is not None:
+            self.meter.on_shift_event(msg)
         mark = self._shift_marks.feed(msg)
         if mark is not None:
             self.marks.append(mark)
@@ -253,6 +280,7 @@ class SimBackend:
         self.routers = dict(routers)
         self.models = {r: workload.cost_model(r) for r in INFERENCE_ROLES}
         self.trainer_engine: SimTrainer | None = None
+        self.meter: DeviceMeter | None = None  # the run's time account, when it keeps one
         costs = workload.shift_costs()
         params = {r: workload.model(r).params_b for r in INFERENCE_ROLES}
         tps = {r: workload.model(r).layout.tp for r in INFERENCE_ROLES}
@@ -306,7 +334,10 @@ class SimBackend:
                 engines=engines,
                 weights={Role.ROLLOUT: policy_weights, Role.REWARD: genrm_weights},
                 models={r: workload.model(r).model for r in INFERENCE_ROLES},
-                stepping=FastForward(self.shift_cost),
+                stepping=FastForward(
+                    self.shift_cost,
+                    on_segment=self.meter.on_segment if self.meter is not None else None,
+                ),
             )
 
         return parts
@@ -363,6 +394,7 @@ def simulated_cluster(
     deployment = simulation_deployment(workload, split)
     routers = _routers(split.kind, settings)
     backend = SimBackend(workload, settings, routers)
+    backend.meter = DeviceMeter(deployment)
     control = Control(
         settings=ControllerSettings(
             interval_s=settings.controller_interval_s,
@@ -401,6 +433,7 @@ def simulated_cluster(
             models=backend.models,
             interval=settings.sample_interval_s or max(2.0, split.gpus / 256),
             fixed=fixed,
+            meter=backend.meter,
         )
         observers.append(made)
         return made
@@ -433,7 +466,7 @@ async def _simulate(
     journal_path: Path,
 ) -> RunResult:
     started = time.perf_counter()
-    cluster, _, observers = simulated_cluster(clock, workload, split, settings, journal_path)
+    cluster, backend, observers = simulated_cluster(clock, workload, split, settings, journal_path)
 
     def at_end() -> None:
         observers[-1].sample()
@@ -451,7 +484,16 @@ async def _simulate(
         assembly = await cluster.run(at_end)
     except (InvariantViolation, SupervisorEscalation) as exc:
         raise SimulationError(str(exc)) from exc
-    return _result(assembly, observers[-1], workload, split, cluster, time.perf_counter() - started)
+    return _result(
+        assembly,
+        observers[-1],
+        workload,
+        split,
+        cluster,
+        time.perf_counter() - started,
+        meter=backend.meter,
+        staleness=settings.staleness,
+    )
 
 
 def _result(
@@ -461,7 +503,15 @@ def _result(
     split: Split,
     cluster: LocalCluster,
     wall_s: float,
+    *,
+    meter: DeviceMeter | None = None,
+    staleness: int = 0,
+    first_step: int = 0,
 ) -> RunResult:
+    """The run's figures; the bounds and the time account are of the steps from
+    ``first_step`` on (0: all of them) over the throughput's window. The bounds take the
+    job's ``staleness`` whatever the deployment ran with (colocated runs synchronously): the
+    same yardstick for every deployment of a job."""
     reports = assembly.driver.reports
     schedulers = assembly.schedulers
     trainer: Any = assembly.trainer
@@ -495,6 +545,27 @@ def _result(
             for role, s in schedulers.items()
         ),
     )
+    bound = run_account = None
+    drawn = getattr(assembly.driver.source, "drawn", None)
+    if drawn:
+        # the measured steps' window: from the first measured step's start to the last end
+        # (first_step 0: the throughput's window)
+        window = (reports[first_step].started_s, last)
+        batches = [drawn[r.step] for r in reports]
+        bound = workload_bound(
+            workload,
+            batches,
+            devices=split.gpus,
+            staleness=staleness,
+            window=window,
+            first_step=first_step,
+            history=[(r.started_s, r.started_s + r.seconds) for r in reports[:first_step]],
+        )
+        if meter is not None:
+            meter.trained(trainer.spans)
+            points = operating_points(workload, batches[first_step:])
+            near = {role: p.near_batch for role, p in points.items()}
+            run_account = account(meter.ledger, window, split.gpus, thresholds=near)
     return RunResult(
         deployment=split.kind,
         split=split,
@@ -512,6 +583,8 @@ def _result(
         trains=trainer.spans,
         checks=cluster.checks,
         recovered=cluster.restarts,
+        bound=bound,
+        account=run_account,
         wall_s=wall_s,
     )
 

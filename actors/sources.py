@@ -429,11 +429,12 @@ class WorkloadSource:
         self.sampler = workload.sampler(seed)
         # sequence -> (GenRM prompt tokens, judgment tokens), until it is judged
         self._judgments: dict[int, tuple[int, int]] = {}
+        self.drawn: dict[int, Any] = {}  # step -> its StepLengths (what bounds are made of)
 
     def tasks(self, step: int) -> list[Task]:
         from pivot.engines.sim_engine import sim_sampling
 
-        lengths = self.sampler.step(step)
+        lengths = self.drawn[step] = self.sampler.step(step)
         n = lengths.sequences
         first = step * n
         prompts = lengths.prompt_tokens.size

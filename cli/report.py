@@ -6,8 +6,9 @@ It reads what the run left: for `pivot run`, ``metrics.jsonl`` (step records),
 wrote one; for `pivot simulate`, its ``metrics.jsonl`` (run, step, sample, shift and train
 records of every simulated run) and ``summary.json``. The page holds the Figure-10-style
 throughput plot with its lane strip, the reward curve (accuracy, eval and loss when
-recorded), shift statistics by kind and phase, migration costs, the step table and the
-resolved config; plots are embedded PNGs, so the file can be mailed or archived alone.
+recorded), shift statistics by kind and phase, migration costs, a simulated run's fraction of
+the physical bounds and its time account, the step table and the resolved config; plots are
+embedded PNGs, so the file can be mailed or archived alone.
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ class RunData:
         self.initial: dict[str, int] | None = None  # the allocation before the first shift
         self.fixed: dict[str, int] = {}  # devices no shift moves
         self.migration: dict[str, Any] = {}  # what moving devices cost, as recorded
+        self.bound: dict[str, float] = {}  # fraction of each physical bound (simulated runs)
+        self.account: dict[str, float] = {}  # device-seconds per time-account category
         self.summary: dict[str, Any] = {}  # a simulated run's own numbers
         self.notes: list[str] = []  # how a figure was derived, where it is an estimate
 
@@ -132,6 +135,8 @@ def _read_simulate(run_dir: Path, records: list[dict[str, Any]]) -> list[RunData
             case "run":
                 run.summary = fields
                 run.migration = dict(fields.get("migration", {}))
+                run.bound = dict(fields.get("bound") or {})
+                run.account = dict(fields.get("account") or {})
             case "step":
                 run.steps.append(fields)
             case "sample":
@@ -488,6 +493,13 @@ strip: devices per role over time as stacked bands; ticks above it: one per shif
 <h3>Migration costs</h3>
 {% if run.migration %}<table>{% for k, v in run.migration.items() %}<tr><th class="l">{{ labels.get(k, k) }}</th><td>{{ v }}</td></tr>{% endfor %}</table>
 {% if run.kind == "run" %}<p class="note">pivot run records no per-sequence re-prefill time; pivot simulate does.</p>{% endif %}{% else %}<p>none recorded</p>{% endif %}
+{% if run.bound %}<h3>Bounds and time account</h3>
+<table><tr><th class="l">fraction of the bound</th><th>work-conserving</th><th>critical path</th><th>combined</th></tr>
+<tr><td class="l">this run</td><td>{{ "%.3f"|format(run.bound.work) }}</td><td>{{ "%.3f"|format(run.bound.critical_path) }}</td><td>{{ "%.3f"|format(run.bound.combined) }}</td></tr></table>
+{% if run.account %}<table><tr><th class="l">device time</th><th>device-s</th><th>%</th></tr>
+{% for k, v in run.account.items() %}<tr><td class="l">{{ k }}</td><td>{{ "%.1f"|format(v) }}</td><td>{{ "%.1f"|format(100 * v / run.account_total) }}</td></tr>
+{% endfor %}</table>{% endif %}
+<p class="note">Bound time over the run's time for the same steps (pivot.bounds); the account sums to devices x the same window (pivot.account says what each category holds).</p>{% endif %}
 <h3>Steps</h3>
 <table class="steps"><tr>{% for h in run.step_head %}<th>{{ h }}</th>{% endfor %}</tr>
 {% for row in run.step_rows %}<tr>{% for c in row %}<td>{{ c }}</td>{% endfor %}</tr>
@@ -509,11 +521,18 @@ def render(run_dir: Path, runs: list[RunData], config: str, kind: str) -> str:
         pages.append(
             {
                 "name": run.name,
-                "summary": {k: v for k, v in run.summary.items() if k != "migration"},
+                "summary": {
+                    k: v
+                    for k, v in run.summary.items()
+                    if k not in ("migration", "bound", "account")
+                },
                 "throughput": throughput_png(run, f"{run_dir.name}: {run.name}"),
                 "reward": reward_png(run.steps),
                 "shift_stats": shift_stats(run.shifts),
                 "migration": run.migration,
+                "bound": run.bound,
+                "account": run.account,
+                "account_total": sum(run.account.values()) or 1.0,
                 "step_head": head,
                 "step_rows": rows,
                 "notes": run.notes,

@@ -7,8 +7,13 @@ against the colocated, disaggregated and rollout-reward colocated deployments.
 
 Every static baseline runs at the seed's Table 4 split scaled to N devices and at the best
 split a sweep finds (``--no-sweep``: Table 4 only); PivotRL's speedup over a baseline is
-against the better of the two. The run directory gets ``metrics.jsonl`` (one line per run,
-step, timeline sample, shift and training span), ``summary.json`` (the report it prints),
+against the better of the two. For the run each comparison uses (PivotRL's best, each
+baseline's best) it prints the fraction of the physical bounds reached (work-conserving,
+critical-path, combined: ``pivot.bounds``) and the time account (device-seconds busy,
+under-filled, re-prefilling, idle, stalled on the trainer, trainer waiting, training, in
+transit: ``pivot.account``); ``--json`` has them under ``bound`` and ``account``, keyed by
+deployment, and every run's summary has its own. The run directory gets ``metrics.jsonl``
+(one line per run, step, timeline sample, shift and training span), ``summary.json`` (the report it prints),
 one Figure-10-style plot per deployment, ``report.html`` (``pivot report``: every run on one
 page) and the Controller's shift journals; Ctrl-C leaves the same of the runs done so far. Each metrics line has ``record`` (run | step | sample | shift |
 train) and ``run`` (deployment-label).
@@ -225,7 +230,9 @@ def _comparison_report(comparison: Any, args: argparse.Namespace) -> dict[str, A
             "best": runs.best.split.label(),
             "tried": runs.tried,
         }
+    used = {"pivot": comparison.pivot} if comparison.pivot is not None else {}
     for kind, runs in comparison.baselines.items():
+        used[kind] = runs.best
         throughput[kind] = _rate(runs.best)
         splits[kind] = {
             "table4": runs.table4.split.label(),
@@ -245,6 +252,12 @@ def _comparison_report(comparison: Any, args: argparse.Namespace) -> dict[str, A
         "speedup": speedup,
         "speedup_pivot_at_table4": at_table4,
         "shifts_per_step": round(pivot.shifts_per_step, 3) if pivot is not None else None,
+        "bound": {kind: run.bound_fractions() for kind, run in used.items()},
+        "account": {kind: run.account_seconds() for kind, run in used.items()},
+        # the batch from which decoding counts as busy (the same batches: the same for all)
+        "busy_from_batch": next(
+            (dict(r.account.thresholds) for r in used.values() if r.account is not None), {}
+        ),
         "splits": splits,
         "runs": [r.summary() for r in comparison.runs()],
     }
@@ -257,6 +270,8 @@ def _study_report(
     for r in results:
         row = {"label": r.label, **_rate(r), "shifts_per_step": round(r.shifts_per_step, 3)}
         row["migration"] = msgspec.to_builtins(r.migration)
+        row["bound"] = r.bound_fractions()
+        row["account"] = r.account_seconds()
         rows.append(row)
     return {
         "workload": name,
@@ -305,12 +320,57 @@ def _format(report: dict[str, Any], plots: list[Path]) -> str:
             if at_table4:
                 parts = ", ".join(f"{k} {v:.2f}x" for k, v in sorted(at_table4.items()))
                 lines.append(f"  (PivotRL at Table 4's trainer pool, not swept: {parts})")
+        lines.extend(_bounds_table(report.get("bound") or {}, report.get("account") or {}))
+        busy_from = report.get("busy_from_batch") or {}
+        if busy_from:
+            from pivot.bounds import NEAR_EFFICIENT
+
+            parts = ", ".join(f"{role} {n}" for role, n in sorted(busy_from.items()))
+            lines.append(
+                f"  busy: decoding at least {parts} sequences a replica (at least "
+                f"{NEAR_EFFICIENT:.0%} of the efficient batch's tokens/s per device); "
+                "under: fewer"
+            )
     lines.append(f"run directory: {report['run_dir']}")
     for plot in plots:
         lines.append(f"  {'report' if plot.suffix == '.html' else 'plot'}: {plot}")
     if report["wall_s"] is not None:
         lines.append(f"wall time: {report['wall_s']:.1f} s")
     return "\n".join(lines)
+
+
+def _bounds_table(bounds: dict[str, dict], accounts: dict[str, dict]) -> list[str]:
+    """Each deployment's fraction of the bounds and its time account (% of device time)."""
+    from pivot.account import ACCOUNT
+
+    if not any(bounds.values()):
+        return []
+    short = {
+        "busy": "busy",
+        "under_filled": "under",
+        "re_prefilling": "reprefill",
+        "idle": "idle",
+        "stalled_on_trainer": "stalled",
+        "trainer_waiting": "tr.wait",
+        "training": "train",
+        "in_transit": "transit",
+    }
+    lines = [
+        "fraction of the bounds (work-conserving, critical-path, combined) and the time "
+        "account (% of device time):",
+        f"{'deployment':<15}{'work':>7}{'path':>7}{'comb':>7}"
+        + "".join(f"{short[k]:>10}" for k in ACCOUNT),
+    ]
+    for kind, b in bounds.items():
+        if not b:
+            continue
+        seconds = accounts.get(kind) or {}
+        whole = sum(seconds.values()) or 1.0
+        lines.append(
+            f"{kind:<15}{b['work']:>7.2f}{b['critical_path']:>7.2f}{b['combined']:>7.2f}"
+            + "".join(f"{100 * seconds.get(k, 0.0) / whole:>10.1f}" for k in ACCOUNT)
+        )
+    return lines
 
 
 # --- run directory ----------------------------------------------------------------------------

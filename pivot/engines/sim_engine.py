@@ -124,6 +124,7 @@ class _Plan:
     running: int  # batch size after preemption and admission
     kv_tokens: int  # their context, the ``tokens`` of the cost model at the first iteration
     prefill_tokens: int
+    reprefill_tokens: int  # of which sequences that had output already (migrated, preempted)
     until_event: int  # iterations until (and including) the next finish or KV limit
 
 
@@ -198,6 +199,9 @@ class SimInferenceEngine:
         self._busy_s = 0.0
         self._last_step_s = 0.0
         self._mean_step_s = 0.0
+        # the last step call's batch and seconds of prefill, of which re-prefill: what a time
+        # account reads (``pivot.account``)
+        self.last_shape: tuple[int, float, float] = (0, 0.0, 0.0)
         self.weights_version = weights_version
         # a simulated engine holds nothing to free or allocate, and starts serving, like one
         # built loaded
@@ -319,7 +323,7 @@ class SimInferenceEngine:
                 kv -= s.prompt_len + s.generated + (self._steps - s.since)
                 r -= 1
         admit: list[_SimSequence] = []
-        prefill = 0
+        prefill = reprefill = 0
         if not preempt:
             for s in self._waiting:
                 if r >= self.max_running:
@@ -333,6 +337,8 @@ class SimInferenceEngine:
                 admit.append(s)
                 kv += ctx
                 prefill += ctx
+                if s.generated:
+                    reprefill += ctx
                 r += 1
         until = 0
         if r:
@@ -341,7 +347,7 @@ class SimInferenceEngine:
                 until = min(until, s.target - s.generated)
             gone = {id(s) for s in preempt}
             until = min(until, self._next_finish(gone))
-        return _Plan(preempt, admit, r, kv, prefill, until)
+        return _Plan(preempt, admit, r, kv, prefill, reprefill, until)
 
     def _next_finish(self, excluded: set[int]) -> int:
         """Iterations until the earliest finish among running sequences not in ``excluded``."""
@@ -444,11 +450,15 @@ class SimInferenceEngine:
             k = self._iterations_starting_within(max_cost_s, k, r, tokens, prefill_s)
         cost = self._segment_cost(k, r, tokens, prefill_s)
         last = self._segment_cost(1, r, tokens + r * (k - 1), prefill_s if k == 1 else 0.0)
+        reprefill_s = plan.reprefill_tokens / self.prefill_tokens_per_s
         if self.itl_noise > 0:
             sigma = self.itl_noise / math.sqrt(k)
             factor = math.exp(sigma * self._rng.gauss(0.0, 1.0) - sigma * sigma / 2)
             cost *= factor
             last *= factor
+            prefill_s *= factor
+            reprefill_s *= factor
+        self.last_shape = (r, prefill_s, reprefill_s)
         events: tuple[TokenEvent, ...] = ()
         if k == 1 and self.token_events:
             events = tuple(TokenEvent(i, DUMMY_TOKEN, DUMMY_LOGPROB) for i in self._running)

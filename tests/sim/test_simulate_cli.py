@@ -54,6 +54,20 @@ def test_json_comparison_is_the_same_bytes_for_the_same_seed(tmp_path, capsys):
         )
     kinds = {json.loads(line)["record"] for line in metrics.splitlines()}
     assert kinds == {"run", "step", "sample", "shift", "train"}
+    # each deployment's run: its fraction of each bound, and its time account summing to
+    # devices x its window (the run the throughput names: same samples/s)
+    deployments = set(report["throughput"])
+    assert set(report["bound"]) == set(report["account"]) == deployments
+    runs = {(r["deployment"], r["samples_per_s"]): r for r in report["runs"]}
+    for kind, fractions in report["bound"].items():
+        assert set(fractions) == {"work", "critical_path", "combined"}
+        assert 0 < fractions["combined"] <= 1
+        assert fractions["combined"] == max(fractions["work"], fractions["critical_path"])
+        run = runs[(kind, report["throughput"][kind]["samples_per_s"])]
+        assert run["bound"] == fractions and run["account"] == report["account"][kind]
+        assert sum(run["account"].values()) == pytest.approx(8 * run["seconds"], abs=1.0)
+    # the threshold of "busy": 2 sequences, where ITL = max(10 ms, 5 ms x running) stops rising
+    assert report["busy_from_batch"] == {"rollout": 2, "reward": 2}
 
 
 def test_text_output_plot_and_horizon_study(tmp_path, capsys):

@@ -57,6 +57,31 @@ def test_one_disaggregated_step_takes_rollout_then_judging_then_training(tmp_pat
     assert result.shifts_per_step == 0 and result.migration.aborted == 0
 
 
+def test_a_disaggregated_step_is_at_its_critical_path_and_its_account_is_by_hand(tmp_path):
+    # the step above: rollout decodes 1.0 s, the reward replica 0.5 s after it, the trainer
+    # 2.0 s after that; 2 sequences are far below the efficient batch (under-filled)
+    workload = toy_workload(tmp_path)
+    result = simulate(workload, disaggregated(), SimulationSettings(steps=1))
+    assert result.bound is not None and result.account is not None
+    # nothing waits on anything but the one response, its judgment and the training
+    assert result.bound_fractions()["critical_path"] == pytest.approx(1.0, abs=1e-4)
+    assert result.bound_fractions()["combined"] == result.bound_fractions()["critical_path"]
+    assert result.account.seconds == pytest.approx(
+        {
+            "busy": 0.0,  # the prefills (1e-9 s a token)
+            "under_filled": 100 * ITL + 50 * ITL,
+            "re_prefilling": 0.0,
+            "idle": 100 * ITL + 50 * ITL,  # each inference device while the other decodes
+            "stalled_on_trainer": 2 * 2.0,  # both while the trainer trains
+            "trainer_waiting": 1.5,
+            "training": 2.0,
+            "in_transit": 0.0,
+        },
+        abs=1e-3,
+    )
+    assert result.account.total_s == pytest.approx(3 * result.seconds)
+
+
 def test_staleness_overlaps_the_next_batch_with_training(tmp_path):
     # staleness 2: both batches roll out and are judged together (1.5 s), then train back to
     # back (2 x 2.0 s); synchronous: (1.5 + 2.0) per step
@@ -171,6 +196,14 @@ def test_pivot_shifts_and_keeps_every_invariant_at_every_tick(tmp_path):
     state = recover(records)
     assert state.unfinished is None and state.problems == []
     assert state.next_txn - 1 == result.migration.shifts
+    # the time account covers every device for the whole run; the shifts put devices in
+    # transit and the trainer pool's 4 devices train for every span
+    account = result.account
+    assert account is not None and account.total_s == pytest.approx(8 * result.seconds)
+    assert account.seconds["in_transit"] > 0
+    trained = sum(s.end - s.start for s in result.trains)
+    assert account.seconds["training"] == pytest.approx(4 * trained)
+    assert 0 < result.bound_fractions()["combined"] <= 1
 
 
 @pytest.mark.parametrize("record", range(1, 21))
