@@ -101,9 +101,10 @@ def test_a_static_rollout_replica_pays_the_gps_read_of_every_new_policy_version(
 
 def test_more_reward_devices_halve_the_judging_of_a_saturated_reward_stage(tmp_path):
     # one replica runs at most 2 sequences: 4 judgments take two rounds on one reward replica,
-    # one round on two
+    # one round on two. Round-robin spreads the 4 responses over the 2 rollout replicas (the
+    # throughput-optimal rule sees no gain in spreading under the toy's flat ITL)
     workload = toy_workload(tmp_path, samples=4, max_running=2, fixed_step_s=1.0)
-    settings = SimulationSettings(steps=1)
+    settings = SimulationSettings(steps=1, baseline_router="round_robin")
     one = simulate(workload, disaggregated(gpus=4, rollout=2, reward=1), settings)
     two = simulate(workload, disaggregated(gpus=5, rollout=2, reward=2), settings)
     rollout = 100 * ITL
