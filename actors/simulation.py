@@ -7,9 +7,10 @@ computing.
 
 The RL loop runs with bounded staleness as in the paper's launchers (``staleness`` batches may
 run ahead of training, ``pivot.actors.driver``; 2 by default), except colocated, whose devices
-time-share every stage and so run synchronously (staleness 0). Every deployment routes with
-the paper's routers by default (``baseline_router="round_robin"``: the baselines round-robin,
-as the paper's launchers do, paper-notes 2.5, 2.8); each run reports its routers.
+time-share every stage and so run synchronously (staleness 0). PivotRL routes with the
+paper's routers, the baselines by ``baseline_router`` (the paper's by default; round-robin as
+the paper's launchers do, paper-notes 2.5, 2.8); ``compare`` can try both for each baseline
+and keep the better; each run reports its routers.
 
 Every shift, also the phase switches of the static time-sharing deployments, goes through the
 Controller's journaled executor. The kit's invariants are checked at every step end and whenever
@@ -110,9 +111,9 @@ class SimulationSettings(ConfigStruct, kw_only=True):
     # reads every agent)
     sample_interval_s: float | None = None
     itl_noise: float = 0.0  # sigma of the per-segment lognormal ITL factor (0: exact)
-    # routers of the static deployments: "paper", the paper's rules, as PivotRL routes (the
-    # same rules for all: they serve every baseline better than round-robin); "round_robin",
-    # as the paper's launchers route the baselines
+    # routers of the static deployments: "paper", the paper's rules, as PivotRL routes;
+    # "round_robin", as the paper's launchers route the baselines (neither serves every
+    # baseline best: ``compare(baseline_routers=...)`` tries each)
     baseline_router: Literal["paper", "round_robin"] = "paper"
     check: Literal["shift", "tick"] = "shift"  # when invariants are checked besides step ends
     journal_fsync: bool = False  # a simulation's host does not crash; records are still written
@@ -625,6 +626,8 @@ class BaselineRuns(msgspec.Struct, kw_only=True):
     table4: RunResult
     sweep: RunResult | None = None  # the best static split found (None: not swept)
     tried: list[dict[str, Any]] = []  # every split the sweep ran: label and samples/s
+    # the routing rules tried at Table 4's split: rule -> samples/s (the best one is kept)
+    routers_tried: dict[str, float] = {}
 
     @property
     def best(self) -> RunResult:
@@ -739,28 +742,44 @@ def compare(
     journal_dir: str | Path | None = None,
     progress: Callable[[str], None] | None = None,
     on_run: Callable[[RunResult], None] | None = None,
+    baseline_routers: Sequence[str] | None = None,
 ) -> Comparison:
     """PivotRL and each baseline, each at Table 4's split and at the best split the sweep's
     hill-climb finds (``best_static``; for PivotRL: its trainer pool, the one pool it does not
-    shift), every run in the same regime (``settings``: warm-up and measured steps). ``on_run``
-    gets each run that ``Comparison.runs`` will list as it finishes (what an interrupted
-    comparison has so far)."""
+    shift), every run in the same regime (``settings``: warm-up and measured steps). Each
+    baseline runs Table 4's split with every rule of ``baseline_routers`` (default: the one
+    ``settings`` names) and keeps, and sweeps with, the one that serves it best; PivotRL
+    routes by the paper's rules. ``on_run`` gets each run that ``Comparison.runs`` will list
+    as it finishes (what an interrupted comparison has so far)."""
     kinds = [DeploymentKind(k) for k in (deployments or list(DeploymentKind))]
     say = progress or (lambda _: None)
     done = on_run or (lambda _: None)
     baselines: dict[str, BaselineRuns] = {}
+    chosen: dict[str, SimulationSettings] = {}
     for kind in kinds:
         split = table4_split(kind, gpus, workload.replica_sizes())
-        table4 = simulate(workload, split, settings, label="table4", journal_dir=journal_dir)
+        rules = [settings.baseline_router]
+        if kind is not DeploymentKind.PIVOT and baseline_routers:
+            rules = list(baseline_routers)
+        table4: RunResult | None = None
+        tried_rules: dict[str, float] = {}
+        for rule in rules:
+            mine = msgspec.structs.replace(settings, baseline_router=rule)
+            run = simulate(workload, split, mine, label="table4", journal_dir=journal_dir)
+            tried_rules[rule] = round(run.samples_per_s, 6)
+            if table4 is None or run.samples_per_s > table4.samples_per_s:
+                table4, chosen[kind.value] = run, mine
+        assert table4 is not None
+        kind_settings = chosen[kind.value]
         done(table4)  # before the line: a run the line announces is one Ctrl-C keeps
         say(f"{kind.value} {split.label()} (table 4): {table4.samples_per_s:.3f} samples/s")
-        runs = BaselineRuns(table4=table4)
+        runs = BaselineRuns(table4=table4, routers_tried=tried_rules if len(rules) > 1 else {})
         if sweep and kind is not DeploymentKind.COLOCATED:
             best, runs.tried = best_static(
                 workload,
                 kind,
                 gpus,
-                settings,
+                kind_settings,
                 journal_dir=journal_dir,
                 progress=progress,
                 known={split: table4},
@@ -782,7 +801,7 @@ def compare(
         pivot=pivot_runs.best if pivot_runs is not None else None,
         baselines=baselines,
         pivot_runs=pivot_runs,
-        routers={k.value: _policies(_routers(k, settings)) for k in kinds},
+        routers={k.value: _policies(_routers(k, chosen[k.value])) for k in kinds},
     )
 
 

@@ -3,12 +3,14 @@ against the colocated, disaggregated and rollout-reward colocated deployments.
 
     pivot simulate CONFIG [--deployment D] [--gpus N] [--steps K] [--warmup W] [--seed S]
                           [--json] [--run-dir DIR] [--horizon H] [--ablation A ...]
-                          [--study horizon|ablation] [--no-sweep]
+                          [--study horizon|ablation] [--no-sweep] [--baseline-router R]
 
 Steady state: every run does W warm-up steps, reported apart, then K measured steps; its
 throughput is the measured steps' samples over the window from the end of the last warm-up
-step to the end of the last step. Every deployment routes by the paper's rules (rollout
-throughput-optimal, reward lowest-ITL), stated per run. Every static baseline (and PivotRL's
+step to the end of the last step. PivotRL routes by the paper's rules (rollout
+throughput-optimal, reward lowest-ITL); each baseline by the rule that serves it best, the
+paper's or round-robin, as its Table 4 split measures them (``--baseline-router``); the
+rules are stated per run. Every static baseline (and PivotRL's
 trainer pool) runs at the seed's Table 4 split scaled to N devices and at the best split a
 hill-climb over the sweep grid finds, in the same regime (``--no-sweep``: Table 4 only);
 PivotRL's speedup over a baseline is against the better of the two. The run directory gets ``metrics.jsonl`` (one line per run,
@@ -48,6 +50,10 @@ STUDIES = ("horizon", "ablation")
 # the keys of pivot.actors.simulation.ABLATIONS, named here so that building the parser imports
 # nothing heavy (``pivot --help`` stays instant)
 ABLATION_NAMES = ("no-lending", "no-rebalance", "rule-based")
+# --baseline-router: "best" runs each baseline's Table 4 split with each rule and keeps the
+# better one (measured: neither serves every baseline best)
+ROUTER_RULES = ("paper", "round_robin")
+ROUTER_CHOICES = ("best", *ROUTER_RULES)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -91,6 +97,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--no-sweep", action="store_true", help="baselines at Table 4's split only")
     p.add_argument(
+        "--baseline-router",
+        choices=ROUTER_CHOICES,
+        default="best",
+        help="how the baselines route: best (of the paper's rules and round-robin, tried at "
+        "Table 4's split; default), paper, round_robin; PivotRL routes by the paper's rules",
+    )
+    p.add_argument(
         "--interval",
         type=float,
         default=1.0,
@@ -124,8 +137,13 @@ def main(args: argparse.Namespace) -> int:
         planner["horizon_s"] = args.horizon
     for name in args.ablation:
         planner.update(ABLATIONS[name])
+    rule = "paper" if args.baseline_router == "best" else args.baseline_router
     settings = SimulationSettings(
-        steps=args.steps, warmup=args.warmup, seed=args.seed, controller_interval_s=args.interval
+        steps=args.steps,
+        warmup=args.warmup,
+        seed=args.seed,
+        controller_interval_s=args.interval,
+        baseline_router=rule,
     )
     if planner:
         settings = pivot_settings(settings, **planner)
@@ -148,6 +166,7 @@ def main(args: argparse.Namespace) -> int:
         "deployment": args.deployment,
         "study": args.study,
         "sweep": not args.no_sweep,
+        "baseline_router": args.baseline_router,
     }
     try:
         if args.study == "horizon":
@@ -168,6 +187,7 @@ def main(args: argparse.Namespace) -> int:
                 settings,
                 deployments=deployments,
                 sweep=not args.no_sweep,
+                baseline_routers=ROUTER_RULES if args.baseline_router == "best" else None,
                 journal_dir=journals,
                 progress=progress,
                 on_run=finished.append,
@@ -253,6 +273,7 @@ def _comparison_report(comparison: Any, args: argparse.Namespace) -> dict[str, A
             "table4_samples_per_s": round(runs.table4.samples_per_s, 6),
             "best": runs.best.split.label(),
             "tried": runs.tried,
+            "routers_tried": runs.routers_tried,
         }
     for kind, runs in comparison.baselines.items():
         throughput[kind] = _rate(runs.best)
@@ -261,6 +282,7 @@ def _comparison_report(comparison: Any, args: argparse.Namespace) -> dict[str, A
             "table4_samples_per_s": round(runs.table4.samples_per_s, 6),
             "best": runs.best.split.label(),
             "tried": runs.tried,
+            "routers_tried": runs.routers_tried,
         }
     speedup = {k: round(v, 4) for k, v in comparison.speedups().items()}
     at_table4 = {k: round(v, 4) for k, v in comparison.speedups_at_table4().items()}

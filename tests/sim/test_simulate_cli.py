@@ -47,10 +47,18 @@ def test_json_comparison_is_the_same_bytes_for_the_same_seed(tmp_path, capsys):
     # the sweep's hill-climb starts at Table 4's split; every run is in the same regime
     assert best["tried"][0]["split"] == best["table4"] and report["wall_s"] is None
     assert {(r["measured_steps"], r["warmup"]["steps"]) for r in report["runs"]} == {(1, 1)}
-    # the routers are stated, per deployment and per run: the paper's rules for all
+    # the routers are stated, per deployment and per run: pivot's are the paper's; each
+    # baseline keeps the rule its Table 4 split ran fastest with
     paper = {"rollout": "throughput_optimal", "reward": "lowest_itl"}
-    assert report["routers"] == {kind: paper for kind in report["throughput"]}
-    assert all(r["routers"] == paper for r in report["runs"])
+    rules = {"paper": paper, "round_robin": {"rollout": "round_robin", "reward": "round_robin"}}
+    assert report["routers"]["pivot"] == paper and report["splits"]["pivot"]["routers_tried"] == {}
+    for kind in ("colocated", "disaggregated", "rr-colocated"):
+        tried = report["splits"][kind]["routers_tried"]
+        assert set(tried) == set(rules)
+        assert report["routers"][kind] == rules[max(tried, key=lambda r: (tried[r], r == "paper"))]
+        assert report["splits"][kind]["table4_samples_per_s"] == max(tried.values())
+    runs = {r["deployment"]: r["routers"] for r in report["runs"]}
+    assert runs == report["routers"]
     # pivot: the better of Table 4's trainer pool and the swept one, both reported
     mine = report["splits"]["pivot"]
     assert len(mine["tried"]) >= 1 and pivot >= mine["table4_samples_per_s"]
@@ -155,7 +163,7 @@ def test_ctrl_c_leaves_the_runs_done_so_far_with_their_plot_and_report(
     monkeypatch.setattr(simulation, "simulate", interrupted_second)
     run_dir = tmp_path / "run"
     argv = [str(tmp_path / "toy.toml"), "--gpus", "8", "--steps", "1", "--warmup", "0"]
-    argv += ["--no-sweep"]
+    argv += ["--no-sweep", "--baseline-router", "paper"]  # one run per deployment
     with pytest.raises(KeyboardInterrupt):
         _run([*argv, "--run-dir", str(run_dir)], capsys)
     summary = json.loads((run_dir / "summary.json").read_text())["report"]
