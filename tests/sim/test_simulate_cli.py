@@ -114,10 +114,14 @@ def test_text_output_plot_and_horizon_study(tmp_path, capsys):
     assert all(r["samples_per_s"] > 0 for r in rows)
 
 
-def test_the_parser_names_every_ablation_and_imports_nothing_heavy():
-    from pivot.actors.simulation import ABLATIONS
+def test_the_parser_names_every_ablation_and_router_rule_and_imports_nothing_heavy():
+    import typing
+
+    from pivot.actors.simulation import ABLATIONS, SimulationSettings
 
     assert sorted(simulate.ABLATION_NAMES) == sorted(ABLATIONS)
+    rule = typing.get_type_hints(SimulationSettings)["baseline_router"]
+    assert simulate.ROUTER_RULES == typing.get_args(rule)
 
 
 def _steps_of(html: str, section: str) -> list[str]:
