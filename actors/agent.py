@@ -51,7 +51,8 @@ How the agent steps its engine is one strategy object (``stepping``):
   the agent plans the next segment.
 
 The virtual-time strategies take ``shift_cost(action, role)``, the clock time the agent's part
-of a shift costs (actions: evacuate, release, acquire, register); None: nothing but messages.
+of a shift costs (actions: evacuate, release, acquire, register), and ``load``: a serving
+replica loading a newer version (``catch_up``); None: nothing but messages.
 """
 
 from __future__ import annotations
@@ -301,6 +302,12 @@ class RoleAgent(Actor):
         tensors, got = await self.stepping.call(loader, model, version)
         async with self._engine_lock:
             before = engine.stats().weights_version
+            if got != before:
+                # the engine decodes nothing while the new version loads: what ran up to now
+                # is the old policy's, and the load's modelled time (virtual-time stepping)
+                # passes with the lock held
+                self.stepping.settle(self)
+                await self.stepping.pause(self, "load", self.role)
             engine.load_weights(tensors, got)
             if got != before:
                 # running sequences keep their KV cache: their tokens so far are the old

@@ -14,6 +14,14 @@ def positive(text: str) -> int:
     return value
 
 
+def non_negative(text: str) -> int:
+    """An int flag that must be at least 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, not {value}")
+    return value
+
+
 def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Make a (sub)parser's bad-flag message one line, ``prog: error: message``, exit 2:
     without the usage block, a script or a test reads the reason from stderr as is."""

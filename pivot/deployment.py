@@ -20,13 +20,14 @@ not separate code"):
 
     Split(kind, gpus, rollout=0, reward=0, shared=0, training=0)     devices per pool
     table4_split(kind, gpus, sizes) / sweep_splits(kind, gpus, sizes)
+    neighbours(split, grid)                               a sweep's next splits to try
     plan_deployment(split, sizes, *, devices_per_host, judged=True, pool_held=True)
         -> Deployment
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from typing import Literal
 
@@ -120,11 +121,19 @@ def table4_split(kind: DeploymentKind | str, gpus: int, sizes: Mapping[Role, int
     return Split(kind=kind, gpus=gpus, shared=gpus - training, training=training)
 
 
+def _axis(high: int, step: int, low: int | None = None) -> list[int]:
+    """Pool sizes a sweep tries for a pool of at most ``high`` devices: ``low`` (default
+    ``step``), the multiples of ``step`` up to ``high``, and ``high`` itself (the pool taking
+    all the devices the others leave)."""
+    return sorted({low or step, *range(step, high + 1, step), high})
+
+
 def sweep_splits(
     kind: DeploymentKind | str, gpus: int, sizes: Mapping[Role, int], parts: int = 8
 ) -> list[Split]:
-    """Static splits a sweep tries: pools in steps of ``gpus / parts`` devices (rounded up to
-    whole replicas). Colocated has only one."""
+    """Static splits a sweep may try: pools in steps of ``gpus / parts`` devices (rounded up to
+    whole replicas), each pool up to all the devices the others leave when they hold one
+    replica (PivotRL's trainer pool up to the whole cluster). Colocated has only one."""
     kind = DeploymentKind(kind)
     unit = replica_unit(sizes)
     if kind is DeploymentKind.COLOCATED:
@@ -132,17 +141,53 @@ def sweep_splits(
     step = max(unit, -(-gpus // parts // unit) * unit)
     out: list[Split] = []
     if kind is DeploymentKind.DISAGGREGATED:
-        for training in range(step, gpus - 2 * step + 1, step):
-            for rollout in range(step, gpus - training - step + 1, step):
+        for training in _axis(gpus - 2 * unit, step):
+            # rollout down to one replica: the reward pool up to all the others leave
+            for rollout in _axis(gpus - training - unit, step, unit):
                 reward = gpus - training - rollout
                 out.append(
                     Split(kind=kind, gpus=gpus, rollout=rollout, reward=reward, training=training)
                 )
     else:
-        # rr-colocated: the training pool; pivot: the trainer pool it lends (its only static
-        # choice: it shifts the rest at run time)
-        for training in range(step, gpus - step + 1, step):
+        # rr-colocated: the training pool (one inference replica at least); pivot: the trainer
+        # pool it lends (its only static choice: it shifts the rest at run time), up to every
+        # device
+        top = gpus if kind is DeploymentKind.PIVOT else gpus - unit
+        for training in _axis(top, step):
             out.append(Split(kind=kind, gpus=gpus, shared=gpus - training, training=training))
+    return out
+
+
+def pools(split: Split) -> tuple[int, ...]:
+    """The devices of each pool a sweep moves devices between (disaggregated: rollout, reward,
+    training; the others: shared, training)."""
+    if split.kind is DeploymentKind.DISAGGREGATED:
+        return (split.rollout, split.reward, split.training)
+    return (split.shared, split.training)
+
+
+def neighbours(split: Split, grid: Sequence[Split]) -> list[Split]:
+    """The splits of ``grid`` one move from ``split``: for each ordered pair of pools (giver,
+    taker), the grid split that moves the fewest devices from the giver to the taker and
+    changes no other pool. In a fixed order (pairs in pool order, ties by grid order)."""
+    here = pools(split)
+    out: list[Split] = []
+    for giver in range(len(here)):
+        for taker in range(len(here)):
+            if giver == taker:
+                continue
+            best: tuple[int, Split] | None = None
+            for other in grid:
+                there = pools(other)
+                moved = here[giver] - there[giver]
+                if moved <= 0 or there[taker] - here[taker] != moved:
+                    continue
+                if any(there[i] != here[i] for i in range(len(here)) if i not in (giver, taker)):
+                    continue
+                if best is None or moved < best[0]:
+                    best = (moved, other)
+            if best is not None:
+                out.append(best[1])
     return out
 
 
@@ -279,7 +324,8 @@ def plan_deployment(
     if kind is DeploymentKind.COLOCATED:
         return _deployment(split, {}, n, tuple(range(n)), True, roles, pool_held, devices_per_host)
     s, t = split.shared, split.training
-    if s + t != n or s <= 0 or t < 0:
+    # s = 0: every device is the trainer pool, lent to inference while the trainer waits
+    if s + t != n or s < 0 or t < 0:
         raise DeploymentError(f"split {split.label()} does not use {n} devices")
     if split.rollout:
         rollout = split.rollout if judged else s

@@ -24,8 +24,8 @@ def _run(argv: list[str], capsys) -> str:
 
 def test_json_comparison_is_the_same_bytes_for_the_same_seed(tmp_path, capsys):
     toy_workload(tmp_path, prompts=2, samples=4, sigma=0.8, response=200, per_running=0.005)
-    argv = [str(tmp_path / "toy.toml"), "--gpus", "8", "--steps", "2", "--json", "--no-wall"]
-    argv += ["--no-plot", "--sweep-steps", "1", "--run-dir", str(tmp_path / "run")]
+    argv = [str(tmp_path / "toy.toml"), "--gpus", "8", "--steps", "1", "--warmup", "1"]
+    argv += ["--json", "--no-wall", "--no-plot", "--run-dir", str(tmp_path / "run")]
     first = _run(argv, capsys)
     metrics = (tmp_path / "run" / "metrics.jsonl").read_bytes()
     second = _run(argv, capsys)
@@ -44,7 +44,21 @@ def test_json_comparison_is_the_same_bytes_for_the_same_seed(tmp_path, capsys):
     assert report["speedup"]["disaggregated"] == pytest.approx(
         pivot / report["throughput"]["disaggregated"]["samples_per_s"], rel=1e-3
     )
-    assert len(best["tried"]) == 21 and report["wall_s"] is None
+    # the sweep's hill-climb starts at Table 4's split; every run is in the same regime
+    assert best["tried"][0]["split"] == best["table4"] and report["wall_s"] is None
+    assert {(r["measured_steps"], r["warmup"]["steps"]) for r in report["runs"]} == {(1, 1)}
+    # the routers are stated, per deployment and per run: pivot's are the paper's; each
+    # baseline keeps the rule its Table 4 split ran fastest with
+    paper = {"rollout": "throughput_optimal", "reward": "lowest_itl"}
+    rules = {"paper": paper, "round_robin": {"rollout": "round_robin", "reward": "round_robin"}}
+    assert report["routers"]["pivot"] == paper and report["splits"]["pivot"]["routers_tried"] == {}
+    for kind in ("colocated", "disaggregated", "rr-colocated"):
+        tried = report["splits"][kind]["routers_tried"]
+        assert set(tried) == set(rules)
+        assert report["routers"][kind] == rules[max(tried, key=lambda r: (tried[r], r == "paper"))]
+        assert report["splits"][kind]["table4_samples_per_s"] == max(tried.values())
+    runs = {r["deployment"]: r["routers"] for r in report["runs"]}
+    assert runs == report["routers"]
     # pivot: the better of Table 4's trainer pool and the swept one, both reported
     mine = report["splits"]["pivot"]
     assert len(mine["tried"]) >= 1 and pivot >= mine["table4_samples_per_s"]
@@ -65,7 +79,8 @@ def test_json_comparison_is_the_same_bytes_for_the_same_seed(tmp_path, capsys):
         assert fractions["combined"] == max(fractions["work"], fractions["critical_path"])
         run = runs[(kind, report["throughput"][kind]["samples_per_s"])]
         assert run["bound"] == fractions and run["account"] == report["account"][kind]
-        assert sum(run["account"].values()) == pytest.approx(8 * run["seconds"], abs=1.0)
+        assert sum(run["account"].values()) == pytest.approx(8 * run["bound_window_s"], abs=1.0)
+        assert run["bound_window_s"] >= run["seconds"]  # from the first measured step's start
     # the threshold of "busy": 2 sequences, where ITL = max(10 ms, 5 ms x running) stops rising
     assert report["busy_from_batch"] == {"rollout": 2, "reward": 2}
 
@@ -80,6 +95,8 @@ def test_text_output_plot_and_horizon_study(tmp_path, capsys):
             "8",
             "--steps",
             "1",
+            "--warmup",
+            "0",
             "--deployment",
             "pivot",
             "--run-dir",
@@ -96,6 +113,8 @@ def test_text_output_plot_and_horizon_study(tmp_path, capsys):
             "8",
             "--steps",
             "1",
+            "--warmup",
+            "0",
             "--study",
             "horizon",
             "--json",
@@ -110,10 +129,14 @@ def test_text_output_plot_and_horizon_study(tmp_path, capsys):
     assert all(r["samples_per_s"] > 0 for r in rows)
 
 
-def test_the_parser_names_every_ablation_and_imports_nothing_heavy():
-    from pivot.actors.simulation import ABLATIONS
+def test_the_parser_names_every_ablation_and_router_rule_and_imports_nothing_heavy():
+    import typing
+
+    from pivot.actors.simulation import ABLATIONS, SimulationSettings
 
     assert sorted(simulate.ABLATION_NAMES) == sorted(ABLATIONS)
+    rule = typing.get_type_hints(SimulationSettings)["baseline_router"]
+    assert simulate.ROUTER_RULES == typing.get_args(rule)
 
 
 def _steps_of(html: str, section: str) -> list[str]:
@@ -128,7 +151,8 @@ def test_a_simulate_run_dir_gets_its_report_and_pivot_report_reads_it(tmp_path, 
 
     toy_workload(tmp_path, prompts=2, samples=4, sigma=0.8, response=200, per_running=0.005)
     run_dir = tmp_path / "run"
-    argv = [str(tmp_path / "toy.toml"), "--gpus", "16", "--steps", "2", "--deployment", "pivot"]
+    argv = [str(tmp_path / "toy.toml"), "--gpus", "16", "--steps", "2", "--warmup", "0"]
+    argv += ["--deployment", "pivot"]
     out = _run([*argv, "--no-sweep", "--run-dir", str(run_dir)], capsys)
     assert f"report: {run_dir / 'report.html'}" in out
     assert main(["report", str(run_dir), "-o", str(tmp_path / "again.html")]) == 0
@@ -157,7 +181,8 @@ def test_ctrl_c_leaves_the_runs_done_so_far_with_their_plot_and_report(
 
     monkeypatch.setattr(simulation, "simulate", interrupted_second)
     run_dir = tmp_path / "run"
-    argv = [str(tmp_path / "toy.toml"), "--gpus", "8", "--steps", "1", "--no-sweep"]
+    argv = [str(tmp_path / "toy.toml"), "--gpus", "8", "--steps", "1", "--warmup", "0"]
+    argv += ["--no-sweep", "--baseline-router", "paper"]  # one run per deployment
     with pytest.raises(KeyboardInterrupt):
         _run([*argv, "--run-dir", str(run_dir)], capsys)
     summary = json.loads((run_dir / "summary.json").read_text())["report"]

@@ -93,11 +93,43 @@ def test_staleness_overlaps_the_next_batch_with_training(tmp_path):
     assert [s.step for s in streaming.steps] == [0, 1]
 
 
+def test_throughput_is_measured_after_the_warm_up_from_the_last_warm_up_step_end(tmp_path):
+    # staleness 2: both batches roll out and are judged together (1.5 s), then train back to
+    # back: step 0 (warm-up) ends at 3.5 s, step 1 at 5.5 s. The window is 3.5 -> 5.5 s.
+    workload = toy_workload(tmp_path)
+    result = simulate(workload, disaggregated(), SimulationSettings(steps=1, warmup=1))
+    assert [(s.step, s.warmup) for s in result.steps] == [(0, True), (1, False)]
+    assert result.window_start_s == pytest.approx(3.5, abs=2e-3)
+    assert result.seconds == pytest.approx(2.0, abs=2e-3)
+    assert result.samples == 2 and result.samples_per_s == pytest.approx(2 / 2.0, rel=1e-3)
+    # the warm-up, apart: its 2 samples over the 3.5 s to its end (whole run: 4 / 5.5)
+    assert result.warmup_s == pytest.approx(3.5, abs=2e-3)
+    assert result.warmup_samples_per_s == pytest.approx(2 / 3.5, rel=1e-3)
+    summary = result.summary()
+    assert summary["measured_steps"] == 1 and summary["warmup"]["steps"] == 1
+
+
+def test_a_static_rollout_replica_pays_the_gps_read_of_every_new_policy_version(tmp_path):
+    # a 10B policy: each new version is a 20 GB read at 20 GB/s before the replica decodes
+    # again; step 0 samples version 0, which the replica holds from the start
+    workload = toy_workload(tmp_path, policy_params_b=10.0)
+    read = workload.shift_costs().weight_read_s(10.0, 1)
+    assert read == pytest.approx(1.0)
+    result = simulate(workload, disaggregated(), SimulationSettings(steps=2, staleness=0))
+    first, second = result.steps
+    assert first.rollout_s == pytest.approx(100 * ITL, abs=1e-4)
+    assert second.rollout_s == pytest.approx(100 * ITL + read, abs=1e-3)
+    # the GenRM is frozen: judging costs the same in both steps
+    judge = [s.seconds - s.rollout_s - s.train_s for s in result.steps]
+    assert judge[1] == pytest.approx(judge[0], abs=1e-3)
+
+
 def test_more_reward_devices_halve_the_judging_of_a_saturated_reward_stage(tmp_path):
     # one replica runs at most 2 sequences: 4 judgments take two rounds on one reward replica,
-    # one round on two
+    # one round on two. Round-robin spreads the 4 responses over the 2 rollout replicas (the
+    # throughput-optimal rule sees no gain in spreading under the toy's flat ITL)
     workload = toy_workload(tmp_path, samples=4, max_running=2, fixed_step_s=1.0)
-    settings = SimulationSettings(steps=1)
+    settings = SimulationSettings(steps=1, baseline_router="round_robin")
     one = simulate(workload, disaggregated(gpus=4, rollout=2, reward=1), settings)
     two = simulate(workload, disaggregated(gpus=5, rollout=2, reward=2), settings)
     rollout = 100 * ITL
@@ -454,10 +486,52 @@ def test_sweeps_cover_whole_replicas_and_every_device():
     assert [s.training for s in sweep_splits("rr-colocated", 32, workload.replica_sizes())] == list(
         range(4, 29, 4)
     )
-    # PivotRL's one static choice is the trainer pool it lends
+    # PivotRL's one static choice is the trainer pool it lends, up to the whole cluster
     pools = sweep_splits("pivot", 32, workload.replica_sizes())
-    assert [(s.shared, s.training) for s in pools] == [(32 - t, t) for t in range(4, 29, 4)]
+    assert [(s.shared, s.training) for s in pools] == [(32 - t, t) for t in range(4, 33, 4)]
     assert table4_split("pivot", 32, workload.replica_sizes()) in pools
+    # each pool reaches all the devices the others leave at one replica each
+    splits = sweep_splits("disaggregated", 128, workload.replica_sizes())
+    assert max(s.training for s in splits) == 120
+    assert max(s.rollout for s in splits) == max(s.reward for s in splits) == 128 - 16 - 4
+    sizes = {Role.ROLLOUT: 8, Role.REWARD: 8}
+    assert max(s.training for s in sweep_splits("rr-colocated", 128, sizes)) == 120
+
+
+def test_the_sweep_climbs_to_the_whole_cluster_when_throughput_still_rises(monkeypatch):
+    # a stand-in simulation whose throughput rises with the trainer pool: the climb from
+    # Table 4's pool (16 of 32) tries one grid move at a time and ends at every device
+    from pivot.actors import simulation
+
+    ran = []
+
+    def fake(workload, split, settings, **_):
+        ran.append((split.training, settings.warmup, settings.steps))
+        return simulation.RunResult(
+            deployment=split.kind, split=split, label="sweep", steps=[], seconds=1.0,
+            samples=split.training, tokens=0, samples_per_s=float(split.training),
+            tokens_per_s=0.0, shifts_per_step=0.0, migration=simulation.MigrationCost(),
+        )  # fmt: skip
+
+    monkeypatch.setattr(simulation, "simulate", fake)
+    workload = load_workload("configs/sim/qwen2.5-7b_qwen3-30b-a3b.toml")
+    settings = SimulationSettings(steps=6, warmup=3)
+    best, tried = simulation.best_static(workload, DeploymentKind.PIVOT, 32, settings)
+    assert best.split.training == 32 and best.split.shared == 0
+    # first better neighbour: the pool grows by one grid step at a time (a smaller pool is
+    # never tried); at 32 the only neighbour, 28, is known
+    pools = (16, 20, 24, 28, 32)
+    assert [t["split"] for t in tried] == [f"shared{32 - t}/pool{t}" for t in pools]
+    # every split in the full regime, each once
+    assert ran == [(t, 3, 6) for t in pools]
+
+
+def test_pivot_runs_with_every_device_in_its_trainer_pool(tmp_path):
+    # the sweep's top end: no shared device; the pool is lent whenever the trainer waits
+    workload = _busy_toy(tmp_path)
+    result = simulate(workload, _pivot(workload, 8, 8), SimulationSettings(steps=1))
+    assert result.samples == 16
+    assert {"lend_trainer", "reclaim_trainer"} <= {m.kind for m in result.marks}
 
 
 def _spec(devices: int) -> ClusterSpec:

@@ -3,7 +3,8 @@
 ``sigma = 0`` every response and judgment has exactly its median length. The config is also
 written to ``<folder>/toy.toml``. ``per_running``
 makes a step slower with more sequences (ITL = max(itl, per_running * running)): then the
-planner gains by spreading sequences over more replicas."""
+planner gains by spreading sequences over more replicas. ``policy_params_b``: the policy's size,
+what its weight loads cost (the default's are ~1e-4 s)."""
 
 from __future__ import annotations
 
@@ -39,17 +40,18 @@ def toy_workload(
     itl: float = ITL,
     per_running: float = 0.0,
     max_running: int = 64,
+    policy_params_b: float = 0.001,
 ) -> Workload:
     models = folder / "cost_models"
     models.mkdir(parents=True, exist_ok=True)
     for name in ("toy-policy", "toy-genrm"):
         (models / f"{name}.toml").write_text(_cost_model(name, itl, per_running))
 
-    def model(name: str, tp: int) -> dict[str, Any]:
+    def model(name: str, tp: int, params_b: float = 0.001) -> dict[str, Any]:
         return {
             "model": name,
             "layout": {"tp": tp},
-            "params_b": 0.001,
+            "params_b": params_b,
             "kv_bytes_per_token": 1,
             "max_running": max_running,
             "gpu_memory_utilization": 0.5,
@@ -66,7 +68,7 @@ def toy_workload(
     raw = {
         "name": "toy",
         "cost_models": "cost_models",
-        "policy": model("toy-policy", 1),
+        "policy": model("toy-policy", 1, policy_params_b),
         "genrm": model("toy-genrm", reward_tp),
         "batch": {"prompts_per_step": prompts, "samples_per_prompt": samples},
         "prompt": {"median": prompt, "sigma": 0.0, "min": 1, "max": 100},
