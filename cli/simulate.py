@@ -4,6 +4,7 @@ against the colocated, disaggregated and rollout-reward colocated deployments.
     pivot simulate CONFIG [--deployment D] [--gpus N] [--steps K] [--seed S] [--json]
                           [--run-dir DIR] [--horizon H] [--ablation A ...]
                           [--study horizon|ablation] [--no-sweep] [--sweep-steps K]
+                          [--prior-itl-scale ROLE=X ...]
 
 Every static baseline runs at the seed's Table 4 split scaled to N devices and at the best
 split a sweep finds (``--no-sweep``: Table 4 only); PivotRL's speedup over a baseline is
@@ -36,7 +37,21 @@ DEPLOYMENTS = ("all", *KIND_NAMES)
 STUDIES = ("horizon", "ablation")
 # the keys of pivot.actors.simulation.ABLATIONS, named here so that building the parser imports
 # nothing heavy (``pivot --help`` stays instant)
-ABLATION_NAMES = ("no-lending", "no-rebalance", "rule-based")
+ABLATION_NAMES = ("no-lending", "no-rebalance", "no-refit", "no-reprefill-price", "rule-based")
+
+
+def role_scale(text: str) -> tuple[str, float]:
+    """``ROLE=X``: an inference role and a factor > 0 (``--prior-itl-scale``)."""
+    role, _, factor = text.partition("=")
+    if role not in ("rollout", "reward"):
+        raise argparse.ArgumentTypeError(f"want rollout=X or reward=X, not {text!r}")
+    try:
+        value = float(factor)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{role}: {factor!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{role}: the factor must be > 0, not {value}")
+    return role, value
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -77,6 +92,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=1.0,
         help="Controller planning period in seconds (default 1, the paper's)",
     )
+    p.add_argument(
+        "--prior-itl-scale",
+        type=role_scale,
+        action="append",
+        default=[],
+        metavar="ROLE=X",
+        help="the planner's prior cost model is ROLE's true ITL times X (repeatable): "
+        "a wrong prior for the online refit to correct",
+    )
     p.add_argument("--no-plot", action="store_true", help="skip the plots")
     p.add_argument("--no-wall", action="store_true", help="print wall_s as null")
     p.set_defaults(func=main)
@@ -106,7 +130,10 @@ def main(args: argparse.Namespace) -> int:
     for name in args.ablation:
         planner.update(ABLATIONS[name])
     settings = SimulationSettings(
-        steps=args.steps, seed=args.seed, controller_interval_s=args.interval
+        steps=args.steps,
+        seed=args.seed,
+        controller_interval_s=args.interval,
+        prior_itl_scale=dict(args.prior_itl_scale),
     )
     if planner:
         settings = pivot_settings(settings, **planner)
