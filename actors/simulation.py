@@ -245,7 +245,9 @@ class SimBackend:
     """The simulated engines and trainer, in process: agents step their engines in virtual
     time (``FastForward``), each part of a shift costs what the workload's shift cost model
     says, and weights are not moved by messages (an Acquire costs the modelled GPS read
-    instead)."""
+    instead). The engines, the routers and the observer run the workload's cost models
+    (``models``); the Controller's planner starts from ``priors``, the same unless
+    ``prior_itl_scale`` makes them wrong, and refits them from what the engines report."""
 
     def __init__(
         self,
