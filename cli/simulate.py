@@ -14,6 +14,10 @@ one Figure-10-style plot per deployment, ``report.html`` (``pivot report``: ever
 page) and the Controller's shift journals; Ctrl-C leaves the same of the runs done so far. Each metrics line has ``record`` (run | step | sample | shift |
 train) and ``run`` (deployment-label).
 
+``--prior-itl-scale rollout=1.5`` starts PivotRL's planner from a cost model 1.5x too slow
+for rollout while the engines run the true one: the online refit's test (with ``--study
+ablation``, ``no-refit`` keeps the wrong prior; with the true prior the refit never fires).
+
 Output is the same byte for byte for the same arguments, except ``wall_s`` (the real time the
 command took): ``--no-wall`` prints it as null.
 """
