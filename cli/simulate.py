@@ -306,13 +306,13 @@ def _format(report: dict[str, Any], plots: list[Path]) -> str:
     ]
     if "study" in report:
         lines.append(
-            f"{'run':<16}{'samples/s':>11}{'tokens/s':>12}{'shifts/step':>13}{'shift s':>9}"
+            f"{'run':<20}{'samples/s':>11}{'tokens/s':>12}{'shifts/step':>13}{'shift s':>9}"
             f"{'migrated':>10}"
         )
         for row in report["results"]:
             m = row["migration"]
             lines.append(
-                f"{row['label']:<16}{row['samples_per_s']:>11.3f}{row['tokens_per_s']:>12.0f}"
+                f"{row['label']:<20}{row['samples_per_s']:>11.3f}{row['tokens_per_s']:>12.0f}"
                 f"{row['shifts_per_step']:>13.2f}{m['shift_s']:>9.1f}{m['aborted']:>10}"
             )
     else:
