@@ -583,6 +583,9 @@ class RoleAgent(Actor):
                 kv_tokens=stats.kv_tokens,
                 itl_s=stats.last_step_s,
                 generated_tokens=stats.generated_tokens,
+                decode_running=stats.decode_running,
+                decode_tokens=stats.decode_tokens,
+                decode_itl_s=stats.decode_itl_s,
             ),
         )
 

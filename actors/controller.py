@@ -3,7 +3,9 @@
 * Monitor: every ``interval_s`` (or at once when the trainer reports a phase change) it asks
   each inference scheduler for its load (``QueryLoad``: replicas, running sequences, queue)
   and the trainer for its phase, takes inter-token latencies from the agents' ``load``
-  publications, and builds a ``ClusterSnapshot`` over its allocation.
+  publications, and builds a ``ClusterSnapshot`` over its allocation. Each measured decode
+  iteration in those publications goes to the policy's ``observe_decode`` (the planner
+  refits its cost models from them).
 * Planner: the ``policy`` passed in (pure): the planner or a stage policy; shift durations
   measured here feed its ``record_shift_time``.
 * Executor: one shift at a time, through ``pivot.shift.ShiftTransaction``: each phase's
@@ -354,8 +356,15 @@ class Controller(Actor):
         """A snapshot over the allocation, or None when a scheduler or the trainer is silent."""
         if self._loads is not None:
             for pub in self._loads.drain():
-                if isinstance(pub.message, ReplicaLoad) and pub.message.itl_s > 0:
-                    self._itl[pub.message.replica] = pub.message.itl_s
+                load = pub.message
+                if not isinstance(load, ReplicaLoad):
+                    continue
+                if load.itl_s > 0:
+                    self._itl[load.replica] = load.itl_s
+                if load.decode_itl_s > 0 and load.decode_running > 0:
+                    self.planner.observe_decode(
+                        Role(load.role), load.decode_running, load.decode_tokens, load.decode_itl_s
+                    )
         timeout = self.settings.command_timeout_s
         try:
             reports = {

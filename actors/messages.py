@@ -174,6 +174,10 @@ class ReplicaLoad(RLMessage, kw_only=True):
     itl_s: float
     generated_tokens: int
     seq_tokens: dict[int, int] = {}
+    # the last decode iteration (EngineStats.decode_*): the cost-model refit's sample
+    decode_running: int = 0
+    decode_tokens: int = 0
+    decode_itl_s: float = 0.0
 
 
 # -- a process attached to the job <-> driver

@@ -82,6 +82,7 @@ from pivot.deployment import (
     table4_split,
 )
 from pivot.engines.sim_engine import SimTrainer
+from pivot.planning.cost import CostModel
 from pivot.planning.planner import PlannerSettings
 from pivot.planning.routing import (
     REWARD_ROUTER,
@@ -118,6 +119,10 @@ class SimulationSettings(ConfigStruct, kw_only=True):
     # reads every agent)
     sample_interval_s: float | None = None
     itl_noise: float = 0.0  # sigma of the per-segment lognormal ITL factor (0: exact)
+    # the planner's prior: the workload's cost model (what the engines run) with its ITL
+    # scaled by this per inference role ({"rollout": 1.5}: a prior 1.5x too slow), so that
+    # the online refit has a wrong prior to correct; roles left out get the true model
+    prior_itl_scale: dict[str, float] = {}
     # routers of the static deployments: "paper", the paper's rules, as PivotRL routes;
     # "round_robin", as the paper's launchers route the baselines (neither serves every
     # baseline best: ``compare(baseline_routers=...)`` tries each)
@@ -305,7 +310,10 @@ class SimBackend:
     time (``FastForward``), each part of a shift costs what the workload's shift cost model
     says, and weights are not moved by messages (an Acquire costs the modelled GPS read
     instead, and so does every serving rollout replica's load of a new policy version: each
-    deployment pays its weight syncs by the same model)."""
+    deployment pays its weight syncs by the same model). The engines, the routers and the
+    observer run the workload's cost models (``models``); the Controller's planner starts
+    from ``priors``, the same unless ``prior_itl_scale`` makes them wrong, and refits them
+    from what the engines report."""
 
     def __init__(
         self,
@@ -317,6 +325,8 @@ class SimBackend:
         self.settings = settings
         self.routers = dict(routers)
         self.models = {r: workload.cost_model(r) for r in INFERENCE_ROLES}
+        # what the Controller's planner starts from; the engines run ``models``
+        self.priors = {r: _scaled(m, settings.prior_itl_scale, r) for r, m in self.models.items()}
         self.trainer_engine: SimTrainer | None = None
         self.meter: DeviceMeter | None = None  # the run's time account, when it keeps one
         costs = workload.shift_costs()
@@ -394,6 +404,18 @@ class SimBackend:
         return lambda clock: SimTrainingBackend(engine, clock=clock)
 
 
+def _scaled(model: CostModel, scales: Mapping[str, float], role: Role) -> CostModel:
+    unknown = set(scales) - {r.value for r in INFERENCE_ROLES}
+    if unknown:
+        raise SimulationError(f"prior_itl_scale names no inference role: {sorted(unknown)}")
+    k = scales.get(role.value, 1.0)
+    if not k > 0:
+        raise SimulationError(f"prior_itl_scale[{role.value}] must be > 0, got {k}")
+    return msgspec.structs.replace(
+        model, a=model.a * k, b=model.b * k, c=model.c * k, d=model.d * k
+    )
+
+
 def simulation_deployment(workload: Workload, split: Split) -> Deployment:
     """Where the simulated cluster's devices start under ``split`` (hosts of 8 devices)."""
     sizes = workload.replica_sizes()
@@ -456,7 +478,7 @@ def simulated_cluster(
             )
             for r in INFERENCE_ROLES
         },
-        cost_models=backend.models,
+        cost_models=backend.priors,
         models={r: workload.model(r).model for r in INFERENCE_ROLES},
         routers=routers,
     )
@@ -881,6 +903,8 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "no-rebalance": {"rebalance": False},
     "rule-based": {"policy": "rule_based"},
     "no-lending": {"lend_trainer_pool": False},
+    "no-refit": {"refit": False},
+    "no-reprefill-price": {"price_reprefill": False},
 }
 
 

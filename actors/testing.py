@@ -290,6 +290,9 @@ class _CheckedPolicy:
     def resume(self, done: Sequence[DoneShift]) -> None:
         self.inner.resume(done)
 
+    def observe_decode(self, role: Role, running: int, tokens: int, itl_s: float) -> None:
+        self.inner.observe_decode(role, running, tokens, itl_s)
+
     def decide(self, snapshot: ClusterSnapshot) -> Decision:
         current = self.allocation()
         if self.settled() and (self.every_tick or current is not self._checked):

@@ -4,6 +4,7 @@ against the colocated, disaggregated and rollout-reward colocated deployments.
     pivot simulate CONFIG [--deployment D] [--gpus N] [--steps K] [--warmup W] [--seed S]
                           [--json] [--run-dir DIR] [--horizon H] [--ablation A ...]
                           [--study horizon|ablation] [--no-sweep] [--baseline-router R]
+                          [--prior-itl-scale ROLE=X ...]
 
 Steady state: every run does W warm-up steps, reported apart, then K measured steps; its
 throughput is the measured steps' samples over the window from the end of the last warm-up
@@ -25,6 +26,10 @@ one Figure-10-style plot per deployment, ``report.html`` (``pivot report``: ever
 page) and the Controller's shift journals; Ctrl-C leaves the same of the runs done so far.
 Each metrics line has ``record`` (run | step | sample | shift | train) and ``run``
 (deployment-label).
+
+``--prior-itl-scale rollout=1.5`` starts PivotRL's planner from a cost model 1.5x too slow
+for rollout while the engines run the true one: the online refit's test (with ``--study
+ablation``, ``no-refit`` keeps the wrong prior; with the true prior the refit never fires).
 
 Output is the same byte for byte for the same arguments, except ``wall_s`` (the real time the
 command took): ``--no-wall`` prints it as null.
@@ -56,11 +61,25 @@ MEASURED_STEPS = 24
 STUDIES = ("horizon", "ablation")
 # the keys of pivot.actors.simulation.ABLATIONS, named here so that building the parser imports
 # nothing heavy (``pivot --help`` stays instant)
-ABLATION_NAMES = ("no-lending", "no-rebalance", "rule-based")
+ABLATION_NAMES = ("no-lending", "no-rebalance", "no-refit", "no-reprefill-price", "rule-based")
 # --baseline-router: "best" runs each baseline's Table 4 split with each rule and keeps the
 # better one (measured: neither serves every baseline best)
 ROUTER_RULES = ("paper", "round_robin")
 ROUTER_CHOICES = ("best", *ROUTER_RULES)
+
+
+def role_scale(text: str) -> tuple[str, float]:
+    """``ROLE=X``: an inference role and a factor > 0 (``--prior-itl-scale``)."""
+    role, _, factor = text.partition("=")
+    if role not in ("rollout", "reward"):
+        raise argparse.ArgumentTypeError(f"want rollout=X or reward=X, not {text!r}")
+    try:
+        value = float(factor)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{role}: {factor!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{role}: the factor must be > 0, not {value}")
+    return role, value
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -116,6 +135,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=1.0,
         help="Controller planning period in seconds (default 1, the paper's)",
     )
+    p.add_argument(
+        "--prior-itl-scale",
+        type=role_scale,
+        action="append",
+        default=[],
+        metavar="ROLE=X",
+        help="the planner's prior cost model is ROLE's true ITL times X (repeatable): "
+        "a wrong prior for the online refit to correct",
+    )
     p.add_argument("--no-plot", action="store_true", help="skip the plots")
     p.add_argument("--no-wall", action="store_true", help="print wall_s as null")
     p.set_defaults(func=main)
@@ -151,6 +179,7 @@ def main(args: argparse.Namespace) -> int:
         seed=args.seed,
         controller_interval_s=args.interval,
         baseline_router=rule,
+        prior_itl_scale=dict(args.prior_itl_scale),
     )
     if planner:
         settings = pivot_settings(settings, **planner)
@@ -358,13 +387,13 @@ def _format(report: dict[str, Any], plots: list[Path]) -> str:
         lines.extend(f"routing: {kind}, {rule}" for kind, rule in rules.items())
     if "study" in report:
         lines.append(
-            f"{'run':<16}{'samples/s':>11}{'tokens/s':>12}{'shifts/step':>13}{'shift s':>9}"
+            f"{'run':<20}{'samples/s':>11}{'tokens/s':>12}{'shifts/step':>13}{'shift s':>9}"
             f"{'migrated':>10}"
         )
         for row in report["results"]:
             m = row["migration"]
             lines.append(
-                f"{row['label']:<16}{row['samples_per_s']:>11.3f}{row['tokens_per_s']:>12.0f}"
+                f"{row['label']:<20}{row['samples_per_s']:>11.3f}{row['tokens_per_s']:>12.0f}"
                 f"{row['shifts_per_step']:>13.2f}{m['shift_s']:>9.1f}{m['aborted']:>10}"
             )
     else:

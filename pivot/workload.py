@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+import msgspec
 import numpy as np
 
 from pivot.cluster import ReplicaLayout, Role
@@ -240,7 +241,8 @@ class Workload:
                 f"a layout {spec.model} has a fit for ({', '.join(sorted(fits))})",
                 spec.layout.key,
             )
-        return fits[spec.layout.key].cost_model()
+        fit = fits[spec.layout.key].cost_model()
+        return msgspec.structs.replace(fit, prefill_tokens_per_s=self.prefill_tokens_per_s(role))
 
     def kv_capacity_tokens(self, role: Role) -> int:
         spec = self.model(role)

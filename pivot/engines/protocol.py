@@ -145,6 +145,11 @@ class EngineStats(msgspec.Struct, frozen=True):
     # every parameter loaded: False after release/resume until load_weights (engines that
     # load all weights at once are always ready)
     weights_ready: bool = True
+    # the last decode iteration, for the planner's cost-model refit: its batch, the KV tokens
+    # it attended over, and its latency without any prefill (0: none measured)
+    decode_running: int = 0
+    decode_tokens: int = 0
+    decode_itl_s: float = 0.0
 
 
 class EngineError(RuntimeError):

@@ -198,6 +198,7 @@ class SimInferenceEngine:
         self._preemptions = 0
         self._busy_s = 0.0
         self._last_step_s = 0.0
+        self._decode: tuple[int, int, float] = (0, 0, 0.0)  # the last iteration's, see stats()
         self._mean_step_s = 0.0
         # the last step call's batch and seconds of prefill, of which re-prefill: what a time
         # account reads (``pivot.account``)
@@ -449,16 +450,20 @@ class SimInferenceEngine:
         if max_cost_s is not None and k > 1:
             k = self._iterations_starting_within(max_cost_s, k, r, tokens, prefill_s)
         cost = self._segment_cost(k, r, tokens, prefill_s)
-        last = self._segment_cost(1, r, tokens + r * (k - 1), prefill_s if k == 1 else 0.0)
+        last_tokens = tokens + r * (k - 1)
+        decode = self._segment_cost(1, r, last_tokens, 0.0)
+        last = decode + (prefill_s if k == 1 else 0.0)
         reprefill_s = plan.reprefill_tokens / self.prefill_tokens_per_s
         if self.itl_noise > 0:
             sigma = self.itl_noise / math.sqrt(k)
             factor = math.exp(sigma * self._rng.gauss(0.0, 1.0) - sigma * sigma / 2)
             cost *= factor
             last *= factor
+            decode *= factor
             prefill_s *= factor
             reprefill_s *= factor
         self.last_shape = (r, prefill_s, reprefill_s)
+        self._decode = (r, last_tokens, decode)
         events: tuple[TokenEvent, ...] = ()
         if k == 1 and self.token_events:
             events = tuple(TokenEvent(i, DUMMY_TOKEN, DUMMY_LOGPROB) for i in self._running)
@@ -503,7 +508,8 @@ class SimInferenceEngine:
 
     def stats(self) -> EngineStats:
         """``last_step_s`` is the cost of the last iteration (with its prefill when a call ran
-        one iteration), ``mean_step_s`` an EMA of it per call."""
+        one iteration), ``mean_step_s`` an EMA of it per call; ``decode_*`` the last
+        iteration without its prefill."""
         return EngineStats(
             running=len(self._running),
             waiting=len(self._waiting),
@@ -517,6 +523,9 @@ class SimInferenceEngine:
             weights_version=self.weights_version,
             released=self._context.released_kinds(),
             weights_ready=self._context.weights_ready,
+            decode_running=self._decode[0],
+            decode_tokens=self._decode[1],
+            decode_itl_s=self._decode[2],
         )
 
     @property

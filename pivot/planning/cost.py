@@ -7,7 +7,8 @@ Inter-token latency of a replica with ``running`` sequences holding ``tokens`` t
 and its throughput is ``running / ITL`` tokens per second. Coefficients live per model and
 layout in ``configs/cost_models/*.toml``; ``OnlineCostModel`` refits them from observed
 (running, tokens, ITL) samples by bounded least squares, so that a wrong prior converges to
-what the replicas measure.
+what the replicas measure. A model may also carry the replica's prefill rate (the workload
+states it), which prices re-prefilling a moved sequence's context; the refit keeps it.
 """
 
 from __future__ import annotations
@@ -28,12 +29,21 @@ _LAYOUT_KEY = re.compile(r"^TP[1-9][0-9]*_PP[1-9][0-9]*$")
 
 
 class CostModel(msgspec.Struct, frozen=True):
-    """``ITL = a*tokens + max(b, c*running) + d``; all four in seconds (per token, per sequence)."""
+    """``ITL = a*tokens + max(b, c*running) + d``; all four in seconds (per token, per sequence).
+
+    ``prefill_tokens_per_s``: the replica's prefill rate; 0 when not known (a config file's
+    fit alone does not say), and then re-prefilling is not priced."""
 
     a: float
     b: float
     c: float
     d: float
+    prefill_tokens_per_s: float = 0.0
+
+    def prefill_s(self, tokens):
+        """Seconds to prefill ``tokens`` (vectorised); 0 when the rate is not known."""
+        rate = self.prefill_tokens_per_s
+        return tokens / rate if rate > 0 else tokens * 0.0
 
     @classmethod
     def from_measured(
@@ -164,20 +174,24 @@ _FACES = _face_masks()
 
 
 def _nonneg_quadratic_min(gram: np.ndarray, rhs: np.ndarray) -> np.ndarray:
-    """argmin x'Gx - 2h'x subject to x >= 0, for 4 variables: try every face, keep the best.
+    """Per problem p: argmin x'G_p x - 2h_p'x subject to x >= 0, for 4 variables: try every
+    face, keep the best. ``gram`` (P, 4, 4), ``rhs`` (P, 4) -> (P, 4).
 
     With G positive definite the optimum solves the unconstrained system on some face; there
     are only 15 faces, so solving them all (one batched call) is exact and needs no tolerance.
     """
-    free = _FACES
+    free = _FACES  # (F, 4)
     pair = free[:, :, None] & free[:, None, :]
     # variables off the face are pinned to 0 by an identity row and a zero right-hand side
-    systems = np.where(pair, gram, 0.0) + np.where(~free, 1.0, 0.0)[:, :, None] * np.eye(4)
-    x = np.linalg.solve(systems, np.where(free, rhs, 0.0)[:, :, None])[:, :, 0]
-    value = np.einsum("fi,ij,fj->f", x, gram, x) - 2.0 * x @ rhs
-    value[np.any(x < 0.0, axis=1)] = np.inf
-    best = int(np.argmin(value))
-    return x[best] if value[best] < 0.0 else np.zeros(4)
+    pinned = np.where(~free, 1.0, 0.0)[:, :, None] * np.eye(4)
+    systems = np.where(pair[None], gram[:, None], 0.0) + pinned[None]
+    x = np.linalg.solve(systems, np.where(free[None], rhs[:, None], 0.0)[..., None])[..., 0]
+    value = np.einsum("pfi,pij,pfj->pf", x, gram, x) - 2.0 * np.einsum("pfi,pi->pf", x, rhs)
+    value[np.any(x < 0.0, axis=2)] = np.inf
+    best = np.argmin(value, axis=1)
+    out = x[np.arange(len(x)), best]
+    out[value[np.arange(len(x)), best] >= 0.0] = 0.0
+    return out
 
 
 def fit_cost_model(
@@ -197,6 +211,10 @@ def fit_cost_model(
     is a tie-breaker: it keeps coefficients the data cannot identify (say B when every sample
     is linear) at the prior. It must stay tiny: running and tokens grow together, so A and C
     are told apart along a weak direction that a pull of even one sample would bias.
+
+    Every split of a pass is solved at once: with the samples sorted by running count, a
+    split's normal equations are a prefix sum of the flat samples' outer products plus a
+    suffix sum of the linear ones'.
     """
     r = np.asarray(running, dtype=np.float64)
     t = np.asarray(tokens, dtype=np.float64)
@@ -205,6 +223,8 @@ def fit_cost_model(
     r, t, y = r[ok], t[ok], y[ok]
     if r.size == 0:
         return prior
+    order = np.argsort(r, kind="stable")
+    r, t, y = r[order], t[order], y[order]
     w = 1.0 / y  # relative error: ITL noise is multiplicative
     theta0 = np.array([prior.a, prior.b, prior.c, prior.d])
     # scale each coefficient by its feature's typical size, so the pull toward the prior is
@@ -218,22 +238,34 @@ def fit_cost_model(
         ]
     )
     reg = prior_weight * np.mean(w * w)
+    ones, zeros = np.ones_like(r), np.zeros_like(r)
+    # each sample's weighted features as a flat (B) and as a linear (C*running) one
+    flat_x = np.column_stack([t, ones, zeros, ones]) / scale * w[:, None]
+    lin_x = np.column_stack([t, zeros, r, ones]) / scale * w[:, None]
 
-    def fit_split(tau: float) -> tuple[float, CostModel]:
-        flat = r <= tau
-        x = np.column_stack([t, flat, np.where(flat, 0.0, r), np.ones_like(r)]) / scale
-        xw = x * w[:, None]
-        gram = xw.T @ xw + reg * np.eye(4)
-        rhs = xw.T @ (y * w) + reg * (theta0 * scale)
+    def prefix(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        outer = np.concatenate([np.zeros((1, 4, 4)), np.cumsum(x[:, :, None] * x[:, None], 0)])
+        moment = np.concatenate([np.zeros((1, 4)), np.cumsum(x * (y * w)[:, None], 0)])
+        return outer, moment
+
+    flat_gram, flat_rhs = prefix(flat_x)
+    lin_gram, lin_rhs = prefix(lin_x)
+    n = r.size
+
+    def fit_splits(taus: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(residuals, coefficients (a, b, c, d) per split) for every ``tau``."""
+        k = np.searchsorted(r, taus, side="right")  # samples taken as flat
+        gram = flat_gram[k] + lin_gram[n] - lin_gram[k] + reg * np.eye(4)
+        rhs = flat_rhs[k] + lin_rhs[n] - lin_rhs[k] + reg * (theta0 * scale)
         theta = _nonneg_quadratic_min(gram, rhs) / scale
-        a, b, c, d = (float(v) for v in theta)
-        if not flat.any():
-            b = min(b, c * float(r.min()))  # B is unidentified: keep it from taking over
-        if flat.all():
-            c = min(c, b / float(r.max()))  # C is unidentified: keep it under the flat level
-        model = CostModel(a=a, b=b, c=c, d=d)
-        resid = (model.itl(r, t) - y) * w
-        return float(resid @ resid), model
+        a, b, c, d = theta.T
+        # B is unidentified with no flat sample: keep it from taking over; C likewise with
+        # no linear one: keep it under the flat level
+        b = np.where(k == 0, np.minimum(b, c * r[0]), b)
+        c = np.where(k == n, np.minimum(c, b / r[-1]), c)
+        model = a[:, None] * t + np.maximum(b[:, None], c[:, None] * r) + d[:, None]
+        resid = (np.maximum(model, ITL_FLOOR_S) - y) * w
+        return np.einsum("sn,sn->s", resid, resid), np.column_stack([a, b, c, d])
 
     levels = np.unique(r)
     if levels.size > 16:
@@ -241,23 +273,28 @@ def fit_cost_model(
     else:
         levels_coarse = levels
     # 0 splits nothing off (all linear); the largest level makes every sample flat
-    candidates = [0.0, *np.unique(levels_coarse).tolist()]
-    scored = [(fit_split(tau), tau) for tau in candidates]
-    (best_err, best_model), best_tau = min(scored, key=lambda s: s[0][0])
-    lo = max((tau for tau in candidates if tau < best_tau), default=0.0)
-    hi = min((tau for tau in candidates if tau > best_tau), default=best_tau)
-    for tau in levels[(levels > lo) & (levels < hi)]:
-        err, model = fit_split(float(tau))
-        if err < best_err:
-            best_err, best_model = err, model
-    return best_model
+    candidates = np.concatenate([[0.0], np.unique(levels_coarse)])
+    err, coefs = fit_splits(candidates)
+    i = int(np.argmin(err))
+    best_err, best, best_tau = err[i], coefs[i], candidates[i]
+    lo = candidates[i - 1] if i > 0 else 0.0
+    hi = candidates[i + 1] if i + 1 < candidates.size else best_tau
+    fine = levels[(levels > lo) & (levels < hi)]
+    if fine.size:
+        err, coefs = fit_splits(fine)
+        j = int(np.argmin(err))
+        if err[j] < best_err:
+            best = coefs[j]
+    a, b, c, d = (float(v) for v in best)
+    return CostModel(a=a, b=b, c=c, d=d, prefill_tokens_per_s=prior.prefill_tokens_per_s)
 
 
 class OnlineCostModel:
     """A cost model that follows what one kind of replica measures.
 
     Keeps the latest ``window`` samples; ``refit`` replaces the current model by a fit of
-    them (what they cannot identify stays at the prior). Pure: the caller decides when.
+    them (what they cannot identify stays at the prior). Pure: the caller decides when, and
+    ``fresh`` (samples since the last refit) tells it whether one is worth its cost.
     """
 
     def __init__(
@@ -276,6 +313,7 @@ class OnlineCostModel:
         self._samples = np.zeros((window, 3))
         self._next = 0
         self._count = 0
+        self.fresh = 0
 
     def observe(self, running: float, tokens: float, itl_s: float) -> None:
         """Record one measurement; idle replicas and non-positive ITLs carry no information."""
@@ -284,14 +322,24 @@ class OnlineCostModel:
         self._samples[self._next] = (running, tokens, itl_s)
         self._next = (self._next + 1) % len(self._samples)
         self._count = min(self._count + 1, len(self._samples))
+        self.fresh += 1
 
     @property
     def samples(self) -> int:
         return self._count
 
+    def error(self) -> float:
+        """RMS relative error of the current model over the window (0 with no samples)."""
+        if not self._count:
+            return 0.0
+        s = self._samples[: self._count]
+        rel = self.model.itl(s[:, 0], s[:, 1]) / s[:, 2] - 1.0
+        return float(np.sqrt(np.mean(rel * rel)))
+
     def refit(self) -> CostModel:
         """Refit from the window (a no-op below ``min_samples``) and return the current model."""
         if self._count >= self.min_samples:
+            self.fresh = 0
             s = self._samples[: self._count]
             self.model = fit_cost_model(s[:, 0], s[:, 1], s[:, 2], self.prior, self.prior_weight)
         return self.model

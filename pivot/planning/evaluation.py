@@ -10,7 +10,8 @@ then, for every candidate of a decision at once (numpy over candidates x replica
    scores (``Router.slot_scores``) fall along each replica's row, so routing them one by one
    hands out the highest scores, found by one sort shared by all candidates;
 2. rebalances (the scale-up role only): running sequences move from the fastest replicas to
-   the slowest, shortest first, while that raises the role's summed throughput. With one
+   the slowest, shortest first, while that raises the role's summed throughput (the planner
+   weighs that against re-prefilling what moves: ``plain`` and ``moved_tokens``). With one
    cost model per role, replica throughput is concave in its load, so this pairwise greedy
    ends with loads within one of each other; we compute that end state directly and keep it
    only if it beats no rebalance. Routing comes first, so running sequences move only where
@@ -98,6 +99,8 @@ class RoleOutcome:
     running: np.ndarray  # (candidates, rows) running count after routing and rebalance
     tokens: np.ndarray  # (candidates, rows) token total after routing and rebalance
     rebalanced: np.ndarray  # (candidates,)
+    plain: np.ndarray  # (candidates,) throughput after routing alone
+    moved_tokens: np.ndarray  # (candidates,) context of the sequences the rebalance moves
 
 
 def _route(
@@ -169,8 +172,9 @@ def _route_top(
 
 def _rebalance(
     load: RoleLoad, r: np.ndarray, t: np.ndarray, active: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """Loads within one of each other per candidate, moving donors' shortest sequences.
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Loads within one of each other per candidate, moving donors' shortest sequences; also
+    the tokens moved per candidate.
 
     Only sequences that ran before the shift (their lengths are known) may move; rows of
     new replicas have none.
@@ -203,7 +207,7 @@ def _rebalance(
     mean_moved = removed.sum(axis=1) / np.maximum(moved, 1)
     t2 = t + take * mean_moved[:, None]
     t2[:, :existing] -= removed
-    return r - give + take, t2
+    return r - give + take, t2, removed.sum(axis=1)
 
 
 def simulate_role(
@@ -237,14 +241,16 @@ def simulate_role(
     routed = (r0[None, :] + admitted) * active
     tokens = (t0[None, :] + admitted * mean[:, None]) * active
     model = load.model
-    throughput = model.throughput(routed, tokens).sum(axis=1)
+    throughput = plain = model.throughput(routed, tokens).sum(axis=1)
     running = routed
     done = np.zeros(cands, dtype=bool)
+    moved = np.zeros(cands)
     wanted = np.asarray(rebalance, dtype=bool)
     if wanted.any():
-        r2, t2 = _rebalance(load, routed, tokens, active)
+        r2, t2, shifted = _rebalance(load, routed, tokens, active)
         balanced = model.throughput(r2, t2).sum(axis=1)
         done = wanted & (balanced > throughput)
+        moved = np.where(done, shifted, 0.0)
         throughput = np.where(done, balanced, throughput)
         running = np.where(done[:, None], r2, routed)
         tokens = np.where(done[:, None], t2, tokens)
@@ -255,6 +261,8 @@ def simulate_role(
         running=running,
         tokens=tokens,
         rebalanced=done,
+        plain=plain,
+        moved_tokens=moved,
     )
 
 

@@ -9,12 +9,20 @@ Five steps (DESIGN.md, "The planner"; the authors' code as paper-notes.md sectio
 3. one cheapest plan per wake count (``candidates.best_plans``);
 4. simulate each plan at request level (``evaluation.simulate_role``) and evaluate the
    objective T = (N_roll + N_rm) / (N_roll/T_roll + N_rm/T_rm);
-5. score ``L = H*dT - Phi`` with ``Phi = sum over victims of migrate_time / ITL * running``
-   and act on the best plan if L > min_gain.
+5. score ``L = H*dT - Phi`` with ``Phi = sum over victims of (migrate_time + reprefill_s) /
+   ITL * running`` and act on the best plan if L > min_gain. ``reprefill_s`` is the victim's
+   context at its role's prefill rate: its sequences resume elsewhere only after a replica of
+   the role re-prefilled them, and that replica decodes nothing meanwhile (the victim's own
+   rate, running / ITL, stands in for it). A plan that rebalances the receiver pays the same
+   for the sequences it moves, and rebalances only where that still wins.
 
 Gates: one shift at a time, a cooldown after each action, immunity of newly woken replicas
 from eviction, at most ``max_moves_per_action`` wakes per plan. Training moves as a whole and
 ahead of everything else: a waiting trainer lends its pool, a ready one takes it all back.
+
+The ``Planner`` refits each inference role's cost model online from measured decode
+iterations (``cost.OnlineCostModel``), so that a wrong prior converges to what its replicas
+measure (one layout per role: a role's replicas share one model).
 
 Pure and synchronous: ``now`` comes in the snapshot, phase times from an injected timer.
 """
@@ -44,7 +52,7 @@ from pivot.config import (
     PositiveInt,
 )
 from pivot.planning.candidates import BLOCKED, FREE, CandidatePlan, best_plans, wake_groups
-from pivot.planning.cost import CostModel
+from pivot.planning.cost import CostModel, OnlineCostModel
 from pivot.planning.evaluation import (
     RoleLoad,
     RoleOutcome,
@@ -82,6 +90,14 @@ class PlannerSettings(ConfigStruct, kw_only=True):
     policy: Literal["cost_model", "rule_based"] = "cost_model"
     rebalance: bool = True
     lend_trainer_pool: bool = True
+    price_reprefill: bool = True  # Phi charges re-prefilling moved sequences
+    refit: bool = True  # cost models follow measured decode latencies
+    # a role's model is refit from its latest ``refit_window`` decode samples at most every
+    # ``refit_interval_s`` (snapshot time), once new samples came, and only while it misses
+    # them by more than ``refit_tolerance`` (RMS relative ITL error): a fit costs milliseconds
+    refit_interval_s: NonNegativeFloat = 10.0
+    refit_window: PositiveInt = 1024
+    refit_tolerance: NonNegativeFloat = 0.01
     # rule-based policy: KV-cache pressure thresholds
     kv_high: PositiveFloat = 0.8
     kv_low: NonNegativeFloat = 0.1
@@ -119,6 +135,16 @@ def _itl_of(replica: ReplicaState, model: CostModel) -> float:
     if replica.itl_s > 0:
         return replica.itl_s
     return model.itl_one(replica.running, sum(replica.seq_tokens))
+
+
+def _victim_phi(
+    replica: ReplicaState, model: CostModel, migrate: float, settings: PlannerSettings
+) -> float:
+    """Tokens ``replica``'s eviction costs: its rate over the shift and the re-prefill."""
+    if not replica.running:
+        return 0.0
+    reprefill = model.prefill_s(sum(replica.seq_tokens)) if settings.price_reprefill else 0.0
+    return (migrate + reprefill) / _itl_of(replica, model) * replica.running
 
 
 def plan_shift(
@@ -213,17 +239,33 @@ def plan_shift(
                 [g and settings.rebalance for g in grows],
             )
     scores: list[CandidateScore] = []
+    rebalanced: list[bool] = []
+    horizon = settings.horizon_s
     for i, (receiver, plan) in enumerate(plans):
-        after = tuple(float(outcomes[r].throughput[i]) for r in INFERENCE_ROLES)
-        gain = objective(demand, after) - before
+        after = {r: float(outcomes[r].throughput[i]) for r in INFERENCE_ROLES}
+        gain = objective(demand, tuple(after.values())) - before
+        phi = plan.phi
+        grown = outcomes[receiver]
+        moves = bool(grown.rebalanced[i])
+        if moves and settings.price_reprefill:
+            # the moved sequences' re-prefill stalls the replicas taking them
+            rate = after[receiver] / max(int(grown.active[i].sum()), 1)
+            price = float(loads[receiver].model.prefill_s(grown.moved_tokens[i])) * rate
+            after[receiver] = float(grown.plain[i])
+            plain = objective(demand, tuple(after.values())) - before
+            if horizon * gain - price > horizon * plain:
+                phi += price
+            else:
+                moves, gain = False, plain
+        rebalanced.append(moves)
         scores.append(
             CandidateScore(
                 receiver=receiver,
                 wakes=len(plan.slots),
                 victims=len(plan.victims),
                 delta_throughput=gain,
-                phi=plan.phi,
-                score=settings.horizon_s * gain - plan.phi,
+                phi=phi,
+                score=horizon * gain - phi,
             )
         )
     phases.mark()
@@ -240,7 +282,7 @@ def plan_shift(
         )
     receiver, chosen = plans[best]
     grown = outcomes[receiver]
-    moved = (grown.routed[best], grown.running[best]) if grown.rebalanced[best] else None
+    moved = (grown.routed[best], grown.running[best]) if rebalanced[best] else None
     shift = _shift_plan(spec, snapshot, loads, receiver, chosen, moved, top, before)
     reason = (
         f"{receiver.value} +{top.wakes} (evicting {top.victims}): "
@@ -268,9 +310,7 @@ def _trainer_plan(
             for r in snapshot.replicas
             if r.role in INFERENCE_ROLES and not pool.isdisjoint(r.devices)
         ]
-        phi = sum(
-            migrate / _itl_of(r, cost_models[r.role]) * r.running for r in victims if r.running
-        )
+        phi = sum(_victim_phi(r, cost_models[r.role], migrate, settings) for r in victims)
         moves = (
             *(_evict(r) for r in victims),
             Move("wake", TRAINER_ID, Role.TRAINING, spec.trainer_pool),
@@ -343,7 +383,8 @@ def _victim_table(
     itl = np.array([r.itl_s for r in replicas], dtype=np.float64)
     modelled = donor.model.itl(donor.running, donor.tokens)
     itl = np.where(itl > 0, itl, modelled)
-    phi = migrate / itl * donor.running
+    hold = migrate + (donor.model.prefill_s(donor.tokens) if settings.price_reprefill else 0.0)
+    phi = hold / itl * donor.running
     woken = np.array(
         [-np.inf if r.woken_at is None else r.woken_at for r in replicas], dtype=np.float64
     )
@@ -491,9 +532,11 @@ def _rule_based(
 class Planner:
     """``plan_shift`` with the state it needs between decisions.
 
-    Holds the cooldown clock (``now`` of the last shift it returned) and the running average
-    of observed shift time that prices Phi. The executor reports each finished shift through
-    ``record_shift_time``; the monitor updates cost models through ``set_cost_model``.
+    Holds the cooldown clock (``now`` of the last shift it returned), the running average
+    of observed shift time that prices Phi, and per inference role the online refit of its
+    cost model. The executor reports each finished shift through ``record_shift_time``; the
+    monitor feeds measured decode iterations through ``observe_decode``. ``cost_models`` are
+    the priors; ``set_cost_model`` replaces one (and restarts its refit from it).
     """
 
     def __init__(
@@ -514,9 +557,34 @@ class Planner:
         self.timer = timer
         self.migrate_time_s = self.settings.migrate_time_init_s
         self.last_action_at: float | None = None
+        self.online: dict[Role, OnlineCostModel] = {}
+        self._refit_at: dict[Role, float] = {}
+        for role in INFERENCE_ROLES:
+            self.set_cost_model(role, self.cost_models[role])
 
     def set_cost_model(self, role: Role, model: CostModel) -> None:
         self.cost_models[role] = model
+        if role in INFERENCE_ROLES:
+            self.online[role] = OnlineCostModel(model, window=self.settings.refit_window)
+            self._refit_at.pop(role, None)
+
+    def observe_decode(self, role: Role, running: int, tokens: int, itl_s: float) -> None:
+        """One measured decode iteration of a ``role`` replica: ``running`` sequences over
+        ``tokens`` KV tokens took ``itl_s``; the next refit uses it (ignored with refit off)."""
+        online = self.online.get(role)
+        if online is not None and self.settings.refit:
+            online.observe(running, tokens, itl_s)
+
+    def _refit(self, now: float) -> None:
+        for role, online in self.online.items():
+            last = self._refit_at.get(role)
+            if not online.fresh or online.samples < online.min_samples:
+                continue
+            if last is not None and now - last < self.settings.refit_interval_s:
+                continue
+            self._refit_at[role] = now
+            if online.error() > self.settings.refit_tolerance:
+                self.cost_models[role] = online.refit()
 
     def record_shift_time(self, seconds: float) -> None:
         """Fold one observed shift duration (shift-down + shift-up) into the average."""
@@ -536,6 +604,8 @@ class Planner:
             self.last_action_at = shifts[-1].started_at
 
     def decide(self, snapshot: ClusterSnapshot) -> Decision:
+        if self.settings.refit:
+            self._refit(snapshot.now)
         decision = plan_shift(
             self.spec,
             snapshot,

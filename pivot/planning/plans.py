@@ -89,3 +89,7 @@ class ShiftPolicy(Protocol):
     def resume(self, done: Sequence[DoneShift]) -> None:
         """After a restart: the state the journaled shifts leave (see ``Planner.resume``)."""
         ...
+
+    def observe_decode(self, role: Role, running: int, tokens: int, itl_s: float) -> None:
+        """One measured decode iteration of a ``role`` replica (see ``Planner.observe_decode``)."""
+        ...

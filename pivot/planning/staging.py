@@ -35,6 +35,9 @@ class StagePolicy:
     def resume(self, done: Sequence[DoneShift]) -> None:
         """Stateless between decisions: a restart loses nothing."""
 
+    def observe_decode(self, role: Role, running: int, tokens: int, itl_s: float) -> None:
+        """Stages switch on demand alone: latencies change nothing."""
+
     def decide(self, snapshot: ClusterSnapshot) -> Decision:
         if snapshot.shift_in_flight:
             return Decision(plan=None, reason="a shift is in flight")

@@ -193,3 +193,12 @@ def test_ctrl_c_leaves_the_runs_done_so_far_with_their_plot_and_report(
     html = (run_dir / "report.html").read_text()
     assert _steps_of(html, name) == ["0"]
     assert "interrupted: 1 runs finished" in capsys.readouterr().err
+
+
+def test_prior_itl_scale_takes_a_role_and_a_positive_factor():
+    assert simulate.role_scale("rollout=1.5") == ("rollout", 1.5)
+    for bad, why in (("trainer=2", "rollout=X or reward=X"), ("reward=x", "not a number")):
+        with pytest.raises(argparse.ArgumentTypeError, match=why):
+            simulate.role_scale(bad)
+    with pytest.raises(argparse.ArgumentTypeError, match="must be > 0"):
+        simulate.role_scale("reward=0")

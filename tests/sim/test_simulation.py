@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import pytest
 from toy import ITL, toy_workload
 
@@ -407,6 +408,7 @@ sys.path.insert(0, {here!r})
 from pivot.bus import configure_logging
 configure_logging("error", stream=io.StringIO())
 import msgspec
+import numpy as np
 from toy import toy_workload
 from pivot.actors.simulation import SimulationSettings, simulate
 from pivot.deployment import DeploymentKind, Split
@@ -564,3 +566,29 @@ def test_stage_policy_lends_the_pool_to_the_stage_with_work_and_reclaims_it_whol
     plan = policy.decide(snap).plan
     assert plan is not None and plan.kind == "reclaim_trainer"
     assert plan.wakes[0].devices == pool
+
+
+def test_a_wrong_prior_converges_to_the_engines_cost_model_and_no_refit_keeps_it(tmp_path):
+    # the engines run the toy's model; the planner starts from one twice as slow for rollout
+    workload = _busy_toy(tmp_path)
+    true = workload.cost_model(Role.ROLLOUT)
+    running = np.arange(1, 17)
+    tokens = running * 500.0
+
+    def planner_after(refit: bool):
+        settings = SimulationSettings(steps=2, prior_itl_scale={"rollout": 2.0})
+        settings = msgspec.structs.replace(
+            settings, planner=msgspec.structs.replace(settings.planner, refit=refit)
+        )
+
+        async def main(clock):
+            sim = simulated_cluster(clock, workload, _pivot(workload), settings, tmp_path / "j")
+            await sim.cluster.run()
+            return sim.cluster.assembly.controller.planner.inner
+
+        return run_virtual(main)
+
+    learned = planner_after(True).cost_models[Role.ROLLOUT]
+    np.testing.assert_allclose(learned.itl(running, tokens), true.itl(running, tokens), rtol=1e-4)
+    kept = planner_after(False).cost_models[Role.ROLLOUT]
+    np.testing.assert_allclose(kept.itl(running, tokens), 2 * true.itl(running, tokens))

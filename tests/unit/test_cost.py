@@ -128,3 +128,19 @@ def test_online_model_refits_after_enough_samples_and_forgets_old_ones():
         online.observe(r, t, y)
     assert online.samples == 300
     assert online.refit().c == pytest.approx(other.c, rel=0.05)
+
+
+def test_online_error_measures_the_miss_and_a_refit_keeps_the_prefill_rate():
+    rng = np.random.default_rng(5)
+    prior = CostModel(a=TRUE.a, b=TRUE.b, c=TRUE.c, d=TRUE.d, prefill_tokens_per_s=2e4)
+    online = OnlineCostModel(prior=prior)
+    assert online.error() == 0.0 and online.fresh == 0
+    slower = CostModel(a=TRUE.a * 1.2, b=TRUE.b * 1.2, c=TRUE.c * 1.2, d=TRUE.d * 1.2)
+    for r, t, y in zip(*samples(slower, 100, rng, noise=0.0), strict=True):
+        online.observe(r, t, y)
+    assert online.fresh == 100
+    assert online.error() == pytest.approx(1 - 1 / 1.2)  # the prior is 1.2x too fast
+    fit = online.refit()
+    assert online.fresh == 0 and online.error() < 1e-6
+    assert fit.prefill_tokens_per_s == 2e4 and fit.prefill_s(1e4) == pytest.approx(0.5)
+    assert CostModel(1, 1, 1, 1).prefill_s(1e4) == 0.0  # no rate known: unpriced
