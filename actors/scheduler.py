@@ -411,8 +411,8 @@ class Scheduler(Actor):
             return Ack(count=0)
         # a completion of a sequence not running there is stale, not an error: the sequence was
         # taken back (and runs elsewhere), or a retried report repeats one whose reply was lost
-        running = {s.id for s in self.core.running_on(msg.replica)}
-        fresh = [c for c in msg.completions if c.seq_id in running]
+        runs = self.core.runs
+        fresh = [c for c in msg.completions if runs(msg.replica, c.seq_id)]
         if len(fresh) < len(msg.completions):
             self.stale_reports += 1
             if worth_logging(self.stale_reports):
