@@ -351,8 +351,8 @@ class Scheduler(Actor):
                 row = rows[replica] = ReplicaRunning(
                     replica=replica,
                     agent=self._agents.get(replica, ""),
-                    seq_ids=[s.id for s in seqs],
-                    seq_tokens=[s.tokens for s in seqs],
+                    seq_ids=tuple([s.id for s in seqs]),
+                    seq_tokens=tuple([s.prompt_tokens + s.generated_tokens for s in seqs]),
                 )
             replicas.append(row)
         changed.clear()
