@@ -351,8 +351,8 @@ class Scheduler(Actor):
                 row = rows[replica] = ReplicaRunning(
                     replica=replica,
                     agent=self._agents.get(replica, ""),
-                    seq_ids=[s.id for s in seqs],
-                    seq_tokens=[s.tokens for s in seqs],
+                    seq_ids=tuple([s.id for s in seqs]),
+                    seq_tokens=tuple([s.prompt_tokens + s.generated_tokens for s in seqs]),
                 )
             replicas.append(row)
         changed.clear()
@@ -411,8 +411,8 @@ class Scheduler(Actor):
             return Ack(count=0)
         # a completion of a sequence not running there is stale, not an error: the sequence was
         # taken back (and runs elsewhere), or a retried report repeats one whose reply was lost
-        running = {s.id for s in self.core.running_on(msg.replica)}
-        fresh = [c for c in msg.completions if c.seq_id in running]
+        runs = self.core.runs
+        fresh = [c for c in msg.completions if runs(msg.replica, c.seq_id)]
         if len(fresh) < len(msg.completions):
             self.stale_reports += 1
             if worth_logging(self.stale_reports):

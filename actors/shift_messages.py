@@ -73,8 +73,9 @@ class QueryLoad(RLMessage, kw_only=True):
 class ReplicaRunning(msgspec.Struct, frozen=True, kw_only=True):
     replica: str
     agent: str
-    seq_ids: list[int]
-    seq_tokens: list[int]  # per sequence: prompt + generated as of its last dispatch
+    # tuples, as the planner's ReplicaState holds them: decoded once, never copied
+    seq_ids: tuple[int, ...]
+    seq_tokens: tuple[int, ...]  # per sequence: prompt + generated as of its last dispatch
 
 
 class RoleLoadReport(RLMessage, kw_only=True):

@@ -84,8 +84,14 @@ class _VirtualTimeSelector(selectors.DefaultSelector):  # type: ignore[misc,vali
     loop: VirtualEventLoop
 
     def select(self, timeout: float | None = None) -> list[Any]:
+        if timeout == 0:
+            # callbacks are ready: the loop runs them without waiting, so the poll can wait
+            # for the next idle turn (a poll is a system call, and a simulation turns the loop
+            # hundreds of thousands of times); a thread's call_soon_threadsafe lands in the
+            # ready queue either way, the self-pipe only wakes a loop that blocks
+            return []
         events = super().select(0)
-        if events or timeout == 0:
+        if events:
             return events
         if timeout is None:
             raise VirtualDeadlock(

@@ -131,9 +131,13 @@ class LowestItlRouter:
             return -1
         idx = np.flatnonzero(open_)
         itl_next = self.model.itl(running[idx] + 1, tokens[idx] + seq_tokens)
-        # lexsort: last key first; ties on ITL go to the lighter load, then the lower position
-        order = np.lexsort((idx, running[idx], itl_next))
-        return int(idx[order[0]])
+        # ties on ITL go to the lighter load, then the lower position (a lexsort's first, by
+        # two minima instead of a sort per sequence)
+        best = idx[itl_next == itl_next.min()]
+        if best.size > 1:
+            load = running[best]
+            best = best[load == load.min()]
+        return int(best[0])
 
     def slot_scores(
         self, running: np.ndarray, tokens: np.ndarray, k_max: int, mean_tokens: float
@@ -248,6 +252,9 @@ class RoleScheduler:
         self._closed: np.ndarray | None = None
         # session -> the replica that last finished one of its sequences, least recent first
         self._affinity: dict[str, str] = {}
+        # replica -> the sessions it is remembered for (so a removal forgets them without a
+        # scan of every session; the affinity map holds up to ``max_sessions``)
+        self._sessions_on: dict[str, set[str]] = {}
         # dispatches of a session with a remembered replica: landed there / elsewhere
         self.session_hits = 0
         self.session_misses = 0
@@ -257,12 +264,24 @@ class RoleScheduler:
 
     # --- replicas -----------------------------------------------------------------------
 
-    def _reindex(self) -> None:
+    def _reindex(self, *, carry: bool = False) -> None:
+        """Rebuild the replica table from what the replicas hold; with ``carry``, the token
+        totals of the replicas that stay are carried over instead of summed again (a shift
+        re-indexes every replica: summing what each runs made a shift O(sequences); the
+        totals are integers in float64, so carried and summed agree exactly)."""
+        carried = (
+            {rid: self._tokens[i] for rid, i in self._pos.items() if rid in self._running}
+            if carry
+            else {}
+        )
         self._ids = sorted(self._running)
         self._pos = {rid: i for i, rid in enumerate(self._ids)}
         self._load = np.array([len(self._running[r]) for r in self._ids], dtype=np.int64)
         self._tokens = np.array(
-            [sum(s.tokens for s in self._running[r].values()) for r in self._ids],
+            [
+                carried[r] if r in carried else sum(s.tokens for s in self._running[r].values())
+                for r in self._ids
+            ],
             dtype=np.float64,
         )
         self._remask()
@@ -287,7 +306,7 @@ class RoleScheduler:
             raise ValueError(f"{self.role.value} replica {replica_id!r} is already registered")
         self._running[replica_id] = {}
         self.changed.add(replica_id)
-        self._reindex()
+        self._reindex(carry=True)
 
     def remove_replica(
         self, replica_id: str, generated: Mapping[int, int] | None = None
@@ -295,13 +314,18 @@ class RoleScheduler:
         """Shift-down: abort everything the replica runs, then forget the replica."""
         aborted = self.abort(replica_id, None, generated)
         del self._running[replica_id]
-        self._reindex()
+        self._reindex(carry=True)
         # its cache is gone with it (a replica registered later under this id starts cold)
-        self._affinity = {s: r for s, r in self._affinity.items() if r != replica_id}
+        for session in self._sessions_on.pop(replica_id, ()):
+            del self._affinity[session]
         return aborted
 
     def running_on(self, replica_id: str) -> list[Sequence]:
         return list(self._replica(replica_id).values())
+
+    def runs(self, replica_id: str, seq_id: int) -> bool:
+        """Whether the sequence is running on the replica (without listing what it runs)."""
+        return seq_id in self._replica(replica_id)
 
     def loads(self) -> tuple[list[str], np.ndarray, np.ndarray]:
         """Replica ids (sorted) with their running counts and token totals."""
@@ -436,10 +460,17 @@ class RoleScheduler:
 
     def _remember(self, session: str, replica_id: str) -> None:
         affinity = self._affinity
-        affinity.pop(session, None)  # re-inserted: now the most recently served
+        self._forget(session)  # re-inserted: now the most recently served
         affinity[session] = replica_id
+        self._sessions_on.setdefault(replica_id, set()).add(session)
         if len(affinity) > self.max_sessions:
-            del affinity[next(iter(affinity))]
+            self._forget(next(iter(affinity)))
+
+    def _forget(self, session: str) -> str | None:
+        replica = self._affinity.pop(session, None)
+        if replica is not None:
+            self._sessions_on[replica].discard(session)
+        return replica
 
     def session_replica(self, session: str) -> str | None:
         """The replica the session's next sequence is routed toward, if any."""
@@ -447,7 +478,7 @@ class RoleScheduler:
 
     def end_session(self, session: str) -> bool:
         """Forget the session's replica; False when it had none (unknown, or forgotten)."""
-        return self._affinity.pop(session, None) is not None
+        return self._forget(session) is not None
 
     @property
     def sessions(self) -> int:

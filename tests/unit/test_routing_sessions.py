@@ -79,6 +79,20 @@ def test_a_removed_replica_and_an_ended_session_are_forgotten():
     assert (core.session_hits, core.session_misses) == (0, 0)
 
 
+def test_a_removal_forgets_only_the_sessions_last_served_there():
+    core = rotating(max_sessions=2)
+    assert serve(core, 0, "s") == "a"
+    core.set_unroutable({"a"})
+    assert serve(core, 1, "s") == "b"  # the session moved on: b holds its prefix now
+    core.set_unroutable(())
+    assert serve(core, 2, "t") == "c" and serve(core, 3, "s") == "b"
+    assert serve(core, 4, "u") == "a"  # t, the least recently served, is out: the cap
+    core.remove_replica("a")  # u's replica; s was a's once, t's was c
+    assert core.session_replica("s") == "b" and core.session_replica("u") is None
+    core.remove_replica("c")  # t was forgotten already: nothing left to forget
+    assert core.sessions == 1 and core.session_replica("t") is None
+
+
 def test_the_session_map_is_capped_least_recently_served_out():
     core = rotating(max_sessions=2)
     serve(core, 0, "old")
