@@ -19,10 +19,12 @@
 * Directory: device -> agent actor, role -> scheduler actor, the trainer's name.
 * Trainer: it lends its pool on ``OffloadTrainer`` and takes it back on ``ReloadTrainer``
   (``pivot.actors.trainer_messages``); ``TrainerPhaseChanged(ready)`` from the driver says
-  a batch is ready (see ``trainer_phase`` for how its state maps to the planner's phase).
+  a batch is ready (see ``trainer_phase`` for how its state maps to the planner's phase);
+  ``BatchForecast`` from the driver says when the next one will be, and the snapshot carries
+  that with the time the last reclaim of the pool took, so the planner can reclaim it early.
 
 It publishes ``ShiftStarted``, ``ShiftFinished`` and ``AllocationChanged`` on ``shift``.
-Requests it serves: ``QueryAllocation``, ``TrainerPhaseChanged``; any other message gets an
+Requests it serves: ``QueryAllocation``, ``TrainerPhaseChanged``, ``BatchForecast``; any other message gets an
 error reply and the Controller keeps running.
 
     Controller(name, bus, *, spec, agents, schedulers, journal, policy, models=None,
@@ -62,6 +64,7 @@ from pivot.actors.shift_messages import (
     AgentState,
     AllocationChanged,
     AllocationReport,
+    BatchForecast,
     CutRouting,
     Describe,
     Evacuate,
@@ -222,6 +225,8 @@ class Controller(Actor):
         self._itl: dict[str, float] = {}
         self._kick = asyncio.Event()
         self._trainer_ready = False
+        self._ready_at: float | None = None  # when the next batch is forecast ready
+        self._reclaim_s = 0.0  # how long the last reclaim of the trainer pool took
         self._loads = None
         self._device_of = {name: device for device, name in self.agents.items()}
         # device -> cause: agents whose process died and that are not back yet; agents a
@@ -252,6 +257,12 @@ class Controller(Actor):
         self.log.info("trainer phase changed", phase=phase.value)
         self._trainer_ready = phase is TrainerPhase.READY
         self._kick.set()
+        return Ack()
+
+    @handles
+    def batch_forecast(self, msg: BatchForecast) -> Ack:
+        ready_in = msg.ready_in_s
+        self._ready_at = None if ready_in is None else self.clock.now() + max(ready_in, 0.0)
         return Ack()
 
     @handles
@@ -394,12 +405,19 @@ class Controller(Actor):
                 return QueueState(0, 0)
             return QueueState(report.queued, report.queued_tokens)
 
+        now = self.clock.now()
+        ready_in = None if self._ready_at is None else max(self._ready_at - now, 0.0)
         return ClusterSnapshot(
-            now=self.clock.now(),
+            now=now,
             replicas=tuple(replicas),
             rollout_queue=queue(Role.ROLLOUT),
             reward_queue=queue(Role.REWARD),
             trainer=phase,
+            trainer_ready_in_s=ready_in,
+            # a tick may come up to one period late: the reclaim starts that much earlier
+            trainer_reclaim_s=self._reclaim_s + self.settings.interval_s
+            if self._reclaim_s
+            else 0.0,
             shift_in_flight=self.shift is not None,
         )
 
@@ -479,6 +497,8 @@ class Controller(Actor):
         if txn.phase is Phase.DONE:
             if not recovering:  # a recovered shift's time includes the Controller's downtime
                 self.planner.record_shift_time(seconds)
+                if txn.plan.kind == "reclaim_trainer":
+                    self._reclaim_s = seconds
             self.shifts_done += 1
         self.shift = None
         if not recovering:
@@ -684,6 +704,9 @@ class Controller(Actor):
         self.journal_problems.extend(state.problems)
         self._next_txn = state.next_txn
         self.planner.resume(state.done)
+        reclaims = [s for s in state.done if s.kind == "reclaim_trainer"]
+        if reclaims:
+            self._reclaim_s = max(reclaims[-1].done_at - reclaims[-1].started_at, 0.0)
         txn = state.unfinished
         if txn is not None:
             self.log.info("recovering shift", txn=txn.txn, phase=txn.phase.value)

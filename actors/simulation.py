@@ -705,6 +705,7 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "no-rebalance": {"rebalance": False},
     "rule-based": {"policy": "rule_based"},
     "no-lending": {"lend_trainer_pool": False},
+    "no-early-reclaim": {"early_reclaim": False},
 }
 
 

@@ -36,7 +36,7 @@ DEPLOYMENTS = ("all", *KIND_NAMES)
 STUDIES = ("horizon", "ablation")
 # the keys of pivot.actors.simulation.ABLATIONS, named here so that building the parser imports
 # nothing heavy (``pivot --help`` stays instant)
-ABLATION_NAMES = ("no-lending", "no-rebalance", "rule-based")
+ABLATION_NAMES = ("no-lending", "no-rebalance", "rule-based", "no-early-reclaim")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:

@@ -14,7 +14,8 @@ Five steps (DESIGN.md, "The planner"; the authors' code as paper-notes.md sectio
 
 Gates: one shift at a time, a cooldown after each action, immunity of newly woken replicas
 from eviction, at most ``max_moves_per_action`` wakes per plan. Training moves as a whole and
-ahead of everything else: a waiting trainer lends its pool, a ready one takes it all back.
+ahead of everything else: a waiting trainer lends its pool, a ready one takes it all back, and
+so does a waiting one whose batch is forecast ready within the time the reclaim takes.
 
 Pure and synchronous: ``now`` comes in the snapshot, phase times from an injected timer.
 """
@@ -82,6 +83,9 @@ class PlannerSettings(ConfigStruct, kw_only=True):
     policy: Literal["cost_model", "rule_based"] = "cost_model"
     rebalance: bool = True
     lend_trainer_pool: bool = True
+    # reclaim the lent pool once the batch is forecast ready within the reclaim's time, not
+    # once it is ready (the reclaim then leaves the critical path)
+    early_reclaim: bool = True
     # rule-based policy: KV-cache pressure thresholds
     kv_high: PositiveFloat = 0.8
     kv_low: NonNegativeFloat = 0.1
@@ -261,7 +265,8 @@ def _trainer_plan(
     if not spec.trainer_pool:
         return None
     held = by_role[Role.TRAINING]
-    if snapshot.trainer is TrainerPhase.READY and not held:
+    soon = _ready_soon(snapshot, settings)
+    if (snapshot.trainer is TrainerPhase.READY or soon) and not held:
         pool = set(spec.trainer_pool)
         victims = [
             r
@@ -283,11 +288,37 @@ def _trainer_plan(
             phi=phi,
             expected_gain=-phi,
         )
-        return plan, f"trainer ready: reclaim its pool ({len(victims)} replicas evicted)"
-    if snapshot.trainer is TrainerPhase.WAITING and held and settings.lend_trainer_pool:
+        why = (
+            "trainer ready"
+            if snapshot.trainer is TrainerPhase.READY
+            else (f"batch ready in {snapshot.trainer_ready_in_s:.1f} s")
+        )
+        return plan, f"{why}: reclaim its pool ({len(victims)} replicas evicted)"
+    if (
+        snapshot.trainer is TrainerPhase.WAITING
+        and held
+        and settings.lend_trainer_pool
+        and not _ready_soon(snapshot, settings, lead=2.0)
+    ):
         plan = ShiftPlan(kind="lend_trainer", receiver=Role.FREE, moves=(_evict(held[0]),))
         return plan, "trainer waiting: lend its pool"
     return None
+
+
+def _ready_soon(snapshot: ClusterSnapshot, settings: PlannerSettings, lead: float = 1.0) -> bool:
+    """Whether the batch the waiting trainer needs is forecast ready within ``lead`` reclaim
+    times: then the pool comes back now, so that the reclaim ends as the batch is ready. A pool
+    it holds is lent only while the batch is two reclaim times away or more: a lend and its
+    reclaim take about that long, and the gap keeps a forecast that wobbles from sending the
+    pool back and forth."""
+    ready_in = snapshot.trainer_ready_in_s
+    return (
+        settings.early_reclaim
+        and snapshot.trainer is TrainerPhase.WAITING
+        and ready_in is not None
+        and snapshot.trainer_reclaim_s > 0
+        and ready_in <= lead * snapshot.trainer_reclaim_s
+    )
 
 
 def _device_owners(spec: ClusterSpec, snapshot: ClusterSnapshot) -> np.ndarray:
