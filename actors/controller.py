@@ -302,8 +302,9 @@ class Controller(Actor):
 
     def trainer_phase(self, status: TrainerStatus) -> TrainerPhase:
         """The planner's view of the trainer: training only while it holds its pool; ready
-        when told a batch is ready, or when it trains without its pool (a batch arrived
-        while it was offloaded); waiting otherwise."""
+        when told a batch is ready, once its pool was reclaimed (ahead of a batch forecast),
+        or when it trains without its pool (a batch arrived while it was offloaded); waiting
+        otherwise."""
         holds = any(r.role is Role.TRAINING for r in self.allocation.replicas.values())
         if status.state == "training":
             self._trainer_ready = False  # the batch it was ready for has arrived
@@ -345,6 +346,10 @@ class Controller(Actor):
             await self._tell_decision(decision)
         if decision.plan is not None:
             self.log.info("shift planned", reason=decision.reason, kind=decision.plan.kind)
+            if decision.plan.kind == "reclaim_trainer":
+                # reclaimed ahead of its batch (forecast): the pool stays the trainer's until
+                # the batch trains, whatever a later forecast says
+                self._trainer_ready = True
             await self.execute(decision.plan, decision.reason)
         return decision
 
