@@ -24,8 +24,8 @@
   that with the time the last reclaim of the pool took, so the planner can reclaim it early.
 
 It publishes ``ShiftStarted``, ``ShiftFinished`` and ``AllocationChanged`` on ``shift``.
-Requests it serves: ``QueryAllocation``, ``TrainerPhaseChanged``, ``BatchForecast``; any other message gets an
-error reply and the Controller keeps running.
+Requests it serves: ``QueryAllocation``, ``TrainerPhaseChanged``, ``BatchForecast``; any
+other message gets an error reply and the Controller keeps running.
 
     Controller(name, bus, *, spec, agents, schedulers, journal, policy, models=None,
                trainer=None, settings=None)
@@ -412,6 +412,8 @@ class Controller(Actor):
 
         now = self.clock.now()
         ready_in = None if self._ready_at is None else max(self._ready_at - now, 0.0)
+        # a tick may come up to one period late: the reclaim starts that much earlier
+        lead = self._reclaim_s + self.settings.interval_s if self._reclaim_s else 0.0
         return ClusterSnapshot(
             now=now,
             replicas=tuple(replicas),
@@ -419,10 +421,7 @@ class Controller(Actor):
             reward_queue=queue(Role.REWARD),
             trainer=phase,
             trainer_ready_in_s=ready_in,
-            # a tick may come up to one period late: the reclaim starts that much earlier
-            trainer_reclaim_s=self._reclaim_s + self.settings.interval_s
-            if self._reclaim_s
-            else 0.0,
+            trainer_reclaim_s=lead,
             shift_in_flight=self.shift is not None,
         )
 

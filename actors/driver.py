@@ -21,6 +21,11 @@ current one and the training of the previous one; the trainer still steps on who
 in order. Step reports' ``seconds`` run from submission to trained; steps may overlap, so a
 run lasts from the first step's start to the last step's end, not the sum.
 
+With an ``on_forecast`` hook, the Driver says when the batch the trainer trains next is
+forecast ready (``pivot.planning.forecast``: the tail of the batch done last prices the samples
+still unscored), each time that moves by a second or more, so that the trainer pool can be
+reclaimed ahead of the batch.
+
 A training batch names the policy version it trains from. A trainer that dies mid-step is
 restarted by its supervisor and the step's request, resent by the transport, is trained by
 the trainer that came back (``pivot.actors.trainer``); its reply says how the trainer came
@@ -29,9 +34,8 @@ back, and the step's report keeps that (``trainer_restart``).
     Driver(name, bus, *, source, steps, rollout_scheduler, reward_scheduler=None,
            trainer=None, evaluation=None, eval_every=0, checkpoints=None, first_step=0,
            policy_version=0, staleness=0, on_step=None, replicas=None, on_batch_ready=None,
-           on_forecast=None, before_first_step=None, startup_timeout=300.0, request_timeout=30.0,
-           stall_timeout=None,
-           train_timeout=600.0)
+           on_forecast=None, before_first_step=None, startup_timeout=300.0,
+           request_timeout=30.0, stall_timeout=None, train_timeout=600.0)
         .reports, .finished (asyncio.Event), .policy_version, .stop_after
         .oldest_open_stage() -> "rollout" | "reward" | None
 """

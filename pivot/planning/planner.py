@@ -288,11 +288,9 @@ def _trainer_plan(
             phi=phi,
             expected_gain=-phi,
         )
-        why = (
-            "trainer ready"
-            if snapshot.trainer is TrainerPhase.READY
-            else (f"batch ready in {snapshot.trainer_ready_in_s:.1f} s")
-        )
+        why = "trainer ready"
+        if snapshot.trainer is not TrainerPhase.READY:
+            why = f"batch ready in {snapshot.trainer_ready_in_s:.1f} s"
         return plan, f"{why}: reclaim its pool ({len(victims)} replicas evicted)"
     if (
         snapshot.trainer is TrainerPhase.WAITING
