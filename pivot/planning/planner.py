@@ -296,26 +296,25 @@ def _trainer_plan(
         snapshot.trainer is TrainerPhase.WAITING
         and held
         and settings.lend_trainer_pool
-        and not _ready_soon(snapshot, settings, lead=2.0)
+        and not soon
     ):
         plan = ShiftPlan(kind="lend_trainer", receiver=Role.FREE, moves=(_evict(held[0]),))
         return plan, "trainer waiting: lend its pool"
     return None
 
 
-def _ready_soon(snapshot: ClusterSnapshot, settings: PlannerSettings, lead: float = 1.0) -> bool:
-    """Whether the batch the waiting trainer needs is forecast ready within ``lead`` reclaim
-    times: then the pool comes back now, so that the reclaim ends as the batch is ready. A pool
-    it holds is lent only while the batch is two reclaim times away or more: a lend and its
-    reclaim take about that long, and the gap keeps a forecast that wobbles from sending the
-    pool back and forth."""
+def _ready_soon(snapshot: ClusterSnapshot, settings: PlannerSettings) -> bool:
+    """Whether the batch the waiting trainer needs is forecast ready within the reclaim's
+    time: then a lent pool comes back now, so that the reclaim ends as the batch is ready, and
+    a held one is not lent (it would be reclaimed at once). Once reclaimed, the Controller
+    reads the trainer as ready, so a forecast that moves later does not lend it out again."""
     ready_in = snapshot.trainer_ready_in_s
     return (
         settings.early_reclaim
         and snapshot.trainer is TrainerPhase.WAITING
         and ready_in is not None
         and snapshot.trainer_reclaim_s > 0
-        and ready_in <= lead * snapshot.trainer_reclaim_s
+        and ready_in <= snapshot.trainer_reclaim_s
     )
 
 

@@ -68,18 +68,18 @@ def test_a_waiting_trainer_reclaims_its_pool_once_the_batch_is_within_the_reclai
         assert d.plan is None or d.plan.kind == "shift", d.reason
 
 
-def test_a_pool_the_trainer_holds_is_lent_only_two_reclaim_times_ahead():
+def test_a_pool_the_trainer_holds_is_lent_only_beyond_the_reclaim_time():
     def held(ready_in, **settings):
         snap = snapshot(training(SPEC), replica("rm", Role.REWARD, range(4), running=9))
         snap = forecast(snap, ready_in)
         return decide(snap, **settings).plan
 
-    for ready_in in (None, 25.0):
+    for ready_in in (None, 12.0):
         plan = held(ready_in)
         assert plan is not None and plan.kind == "lend_trainer"
-    for ready_in in (5.0, 15.0):  # reclaimed early, or too close to be worth a lend
+    for ready_in in (5.0, 10.0):  # reclaimed early, or it would be reclaimed at once
         plan = held(ready_in)
         assert plan is None or plan.kind == "shift"
         assert plan is None or all(set(m.devices).isdisjoint(SPEC.trainer_pool) for m in plan.wakes)
-    plan = held(15.0, early_reclaim=False)
+    plan = held(5.0, early_reclaim=False)
     assert plan is not None and plan.kind == "lend_trainer"
