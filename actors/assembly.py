@@ -39,6 +39,7 @@ from pivot.actors.shift_messages import (
     AgentJoined,
     AgentLost,
     AllocationReport,
+    BatchForecast,
     QueryAllocation,
     TrainerPhaseChanged,
 )
@@ -344,6 +345,8 @@ def assemble(
     # the hooks make requests as the driver, so they are bound once it exists
     if driver.announce_batches and deployment.lends_trainer:
         the_driver.on_batch_ready = functools.partial(_announce_batch, the_driver)
+    if deployment.lends_trainer and deployment.managed:
+        the_driver.on_forecast = functools.partial(_forecast_batch, the_driver)
     if driver.wait_for_controller and deployment.managed:
         the_driver.before_first_step = functools.partial(_controller_ready, the_driver)
     if control is not None and deployment.managed:
@@ -486,6 +489,17 @@ async def _controller_ready(driver: Driver) -> None:
         if report.recovered and report.txn is None and lent:
             return
         await driver.clock.sleep(0.05)
+
+
+async def _forecast_batch(driver: Driver, step: int, ready_in_s: float | None) -> None:
+    """Tell the Controller when the batch the trainer trains next is forecast ready (lossy:
+    the next forecast, or the batch itself, says it again)."""
+    try:
+        await driver.request(
+            CONTROLLER, BatchForecast(step=step, ready_in_s=ready_in_s), timeout=10.0
+        )
+    except (RequestTimeout, Unreachable) as exc:
+        driver.log.warning("could not tell the controller a forecast", error=repr(exc))
 
 
 async def _announce_batch(driver: Driver) -> None:

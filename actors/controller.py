@@ -21,11 +21,13 @@
 * Directory: device -> agent actor, role -> scheduler actor, the trainer's name.
 * Trainer: it lends its pool on ``OffloadTrainer`` and takes it back on ``ReloadTrainer``
   (``pivot.actors.trainer_messages``); ``TrainerPhaseChanged(ready)`` from the driver says
-  a batch is ready (see ``trainer_phase`` for how its state maps to the planner's phase).
+  a batch is ready (see ``trainer_phase`` for how its state maps to the planner's phase);
+  ``BatchForecast`` from the driver says when the next one will be, and the snapshot carries
+  that with the time the last reclaim of the pool took, so the planner can reclaim it early.
 
 It publishes ``ShiftStarted``, ``ShiftFinished`` and ``AllocationChanged`` on ``shift``.
-Requests it serves: ``QueryAllocation``, ``TrainerPhaseChanged``; any other message gets an
-error reply and the Controller keeps running.
+Requests it serves: ``QueryAllocation``, ``TrainerPhaseChanged``, ``BatchForecast``; any
+other message gets an error reply and the Controller keeps running.
 
     Controller(name, bus, *, spec, agents, schedulers, journal, policy, models=None,
                trainer=None, settings=None)
@@ -64,6 +66,7 @@ from pivot.actors.shift_messages import (
     AgentState,
     AllocationChanged,
     AllocationReport,
+    BatchForecast,
     CutRouting,
     Describe,
     Evacuate,
@@ -224,6 +227,8 @@ class Controller(Actor):
         self._itl: dict[str, float] = {}
         self._kick = asyncio.Event()
         self._trainer_ready = False
+        self._ready_at: float | None = None  # when the next batch is forecast ready
+        self._reclaim_s = 0.0  # how long the last reclaim of the trainer pool took
         self._loads = None
         self._device_of = {name: device for device, name in self.agents.items()}
         # device -> cause: agents whose process died and that are not back yet; agents a
@@ -254,6 +259,12 @@ class Controller(Actor):
         self.log.info("trainer phase changed", phase=phase.value)
         self._trainer_ready = phase is TrainerPhase.READY
         self._kick.set()
+        return Ack()
+
+    @handles
+    def batch_forecast(self, msg: BatchForecast) -> Ack:
+        ready_in = msg.ready_in_s
+        self._ready_at = None if ready_in is None else self.clock.now() + max(ready_in, 0.0)
         return Ack()
 
     @handles
@@ -293,8 +304,9 @@ class Controller(Actor):
 
     def trainer_phase(self, status: TrainerStatus) -> TrainerPhase:
         """The planner's view of the trainer: training only while it holds its pool; ready
-        when told a batch is ready, or when it trains without its pool (a batch arrived
-        while it was offloaded); waiting otherwise."""
+        when told a batch is ready, once its pool was reclaimed (ahead of a batch forecast),
+        or when it trains without its pool (a batch arrived while it was offloaded); waiting
+        otherwise."""
         holds = any(r.role is Role.TRAINING for r in self.allocation.replicas.values())
         if status.state == "training":
             self._trainer_ready = False  # the batch it was ready for has arrived
@@ -336,6 +348,10 @@ class Controller(Actor):
             await self._tell_decision(decision)
         if decision.plan is not None:
             self.log.info("shift planned", reason=decision.reason, kind=decision.plan.kind)
+            if decision.plan.kind == "reclaim_trainer":
+                # reclaimed ahead of its batch (forecast): the pool stays the trainer's until
+                # the batch trains, whatever a later forecast says
+                self._trainer_ready = True
             await self.execute(decision.plan, decision.reason)
         return decision
 
@@ -403,12 +419,18 @@ class Controller(Actor):
                 return QueueState(0, 0)
             return QueueState(report.queued, report.queued_tokens)
 
+        now = self.clock.now()
+        ready_in = None if self._ready_at is None else max(self._ready_at - now, 0.0)
+        # a tick may come up to one period late: the reclaim starts that much earlier
+        lead = self._reclaim_s + self.settings.interval_s if self._reclaim_s else 0.0
         return ClusterSnapshot(
-            now=self.clock.now(),
+            now=now,
             replicas=tuple(replicas),
             rollout_queue=queue(Role.ROLLOUT),
             reward_queue=queue(Role.REWARD),
             trainer=phase,
+            trainer_ready_in_s=ready_in,
+            trainer_reclaim_s=lead,
             shift_in_flight=self.shift is not None,
         )
 
@@ -488,6 +510,8 @@ class Controller(Actor):
         if txn.phase is Phase.DONE:
             if not recovering:  # a recovered shift's time includes the Controller's downtime
                 self.planner.record_shift_time(seconds)
+                if txn.plan.kind == "reclaim_trainer":
+                    self._reclaim_s = seconds
             self.shifts_done += 1
         self.shift = None
         if not recovering:
@@ -693,6 +717,9 @@ class Controller(Actor):
         self.journal_problems.extend(state.problems)
         self._next_txn = state.next_txn
         self.planner.resume(state.done)
+        reclaims = [s for s in state.done if s.kind == "reclaim_trainer"]
+        if reclaims:
+            self._reclaim_s = max(reclaims[-1].done_at - reclaims[-1].started_at, 0.0)
         txn = state.unfinished
         if txn is not None:
             self.log.info("recovering shift", txn=txn.txn, phase=txn.phase.value)

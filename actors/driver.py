@@ -21,6 +21,11 @@ current one and the training of the previous one; the trainer still steps on who
 in order. Step reports' ``seconds`` run from submission to trained; steps may overlap, so a
 run lasts from the first step's start to the last step's end, not the sum.
 
+With an ``on_forecast`` hook, the Driver says when the batch the trainer trains next is
+forecast ready (``pivot.planning.forecast``: the tail of the batch done last prices the samples
+still unscored), each time that moves by a second or more, so that the trainer pool can be
+reclaimed ahead of the batch.
+
 A training batch names the policy version it trains from. A trainer that dies mid-step is
 restarted by its supervisor and the step's request, resent by the transport, is trained by
 the trainer that came back (``pivot.actors.trainer``); its reply says how the trainer came
@@ -29,9 +34,8 @@ back, and the step's report keeps that (``trainer_restart``).
     Driver(name, bus, *, source, steps, rollout_scheduler, reward_scheduler=None,
            trainer=None, evaluation=None, eval_every=0, checkpoints=None, first_step=0,
            policy_version=0, staleness=0, on_step=None, replicas=None, on_batch_ready=None,
-           before_first_step=None, startup_timeout=300.0, request_timeout=30.0,
-           stall_timeout=None,
-           train_timeout=600.0)
+           on_forecast=None, before_first_step=None, startup_timeout=300.0,
+           request_timeout=30.0, stall_timeout=None, train_timeout=600.0)
         .reports, .finished (asyncio.Event), .policy_version, .stop_after
         .oldest_open_stage() -> "rollout" | "reward" | None
 """
@@ -65,6 +69,7 @@ from pivot.actors.sources import Sample, Source
 from pivot.actors.trainer_messages import TrainBatch, TrainerRestart
 from pivot.bus import Actor, Bus, handles
 from pivot.engines.protocol import SamplingParams
+from pivot.planning.forecast import TailForecast
 from pivot.rewards import RewardFailed
 from pivot.rollout import Task, rollout_result, single_turn
 from pivot.trajectory import Trajectory, TrajectoryError
@@ -230,6 +235,7 @@ class Driver(Actor):
         train_timeout: float = 600.0,
         stall_timeout: float | None = None,
         on_batch_ready: Callable[[], Awaitable[None]] | None = None,
+        on_forecast: Callable[[int, float | None], Awaitable[None]] | None = None,
         before_first_step: Callable[[], Awaitable[None]] | None = None,
         rollout: RolloutFunction = single_turn,
         gateway: Any = None,
@@ -268,6 +274,13 @@ class Driver(Actor):
         self.train_timeout = train_timeout
         # before the train request: e.g. tell the Controller to reclaim the trainer pool now
         self.on_batch_ready = on_batch_ready
+        # (step, seconds or None): when the batch the trainer trains next is forecast ready,
+        # each time that moves (e.g. tell the Controller, to reclaim the pool ahead of it)
+        self.on_forecast = on_forecast
+        self._forecast = TailForecast()
+        self._awaited = first_step  # the step the trainer trains next, not handed to it yet
+        self._told: tuple[int, float | None] | None = None  # (step, ready at) said last
+        self._telling = False
         # e.g. wait until the Controller has recovered its allocation
         self.before_first_step = before_first_step
         # a resumed run starts at ``first_step`` with the checkpoint's policy version
@@ -481,6 +494,7 @@ class Driver(Actor):
                 sample.metrics = {**trajectory.metrics, **sample.metrics}
         batch.scored += 1
         batch.source.done(sample)
+        self._tail(batch)
 
     async def _judge_for_user(self, batch: _Batch, task: Task, trajectory: Trajectory) -> float:
         """``ctx.judge``: the job's reward of a trajectory the rollout has not returned yet."""
@@ -535,8 +549,10 @@ class Driver(Actor):
             if not self.staleness:
                 await self._submit(self._batch(step))
             batch = self._batch(step)
+            self._await(step)
             await self._until_done(batch)
             scored_at = self.clock.now()
+            self._await(step + 1)  # while this one trains, the next one is awaited
             train = None
             request = self.source.train_request(batch.step, list(batch.samples.values()))
             if request is None:
@@ -609,6 +625,56 @@ class Driver(Actor):
                 self._progress.clear()
                 await self._progress.wait()
             await self._submit(self._batch(step))
+
+    def _await(self, step: int) -> None:
+        """The trainer trains ``step`` next: say when that batch is forecast ready (None:
+        not submitted yet, or no forecast), so the word on the last one is not left standing."""
+        self._awaited = step
+        batch = self._open.get(step)
+        if batch is not None and batch.submitted:
+            self._tail(batch)
+        else:
+            self._tell(step, None)
+
+    def _tail(self, batch: _Batch) -> None:
+        """A sample of ``batch`` was scored: its tail feeds the forecast; if the trainer trains
+        it next, say when it is forecast ready."""
+        if self.on_forecast is None or not batch.submitted or batch.source is not self.source:
+            return
+        now = self.clock.now()
+        left = batch.open_rollouts + len(batch.samples) - batch.scored
+        ready_in = self._forecast.left(batch.step, left, now)
+        if batch.step == self._awaited:
+            self._tell(batch.step, None if ready_in is None else now + ready_in)
+
+    def _tell(self, step: int, ready_at: float | None) -> None:
+        """Send the forecast when it is news: another step, or a time moved by a second or
+        more (one message at a time: the one in flight sends the latest after it)."""
+        if self.on_forecast is None:
+            return
+        told = self._told
+        if told is not None and told[0] == step:
+            if told[1] is None and ready_at is None:
+                return
+            if told[1] is not None and ready_at is not None and abs(ready_at - told[1]) < 1.0:
+                return
+        self._told = (step, ready_at)
+        if not self._telling:
+            self._telling = True
+            self.spawn(self._tell_forecast(), name="forecast")
+
+    async def _tell_forecast(self) -> None:
+        try:
+            while True:
+                sent = self._told
+                assert sent is not None and self.on_forecast is not None
+                step, ready_at = sent
+                ready_in = None if ready_at is None else max(ready_at - self.clock.now(), 0.0)
+                await self.on_forecast(step, ready_in)
+                if self._told == sent:
+                    return
+        finally:
+            self._telling = False
 
     async def _until_done(self, batch: _Batch) -> None:
         if self.stall_timeout is None:

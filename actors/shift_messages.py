@@ -12,7 +12,7 @@ group"), so a Controller that restarts may send it again:
                Describe, Release, Acquire, Register -> AgentState
     trainer:   OffloadTrainer (lend the pool), ReloadTrainer (reclaim it), QueryTrainer
                -> TrainerStatus, all from ``pivot.actors.trainer_messages``
-    controller: TrainerPhaseChanged, AgentLost, AgentJoined -> Ack;
+    controller: TrainerPhaseChanged, BatchForecast, AgentLost, AgentJoined -> Ack;
                 QueryAllocation -> AllocationReport
 
 Published on the Controller's ``shift`` topic, for monitors (lossy): ShiftStarted,
@@ -160,6 +160,15 @@ class TrainerPhaseChanged(RLMessage, kw_only=True):
     withdraw that. The Controller plans at once instead of at its next tick."""
 
     phase: str  # pivot.planning.snapshot.TrainerPhase
+
+
+class BatchForecast(RLMessage, kw_only=True):
+    """To the Controller, from the driver: the batch the trainer trains next is predicted
+    ready in ``ready_in_s`` seconds (``pivot.planning.forecast``; None: no forecast), so the
+    trainer pool can be reclaimed that long before it is needed, not once it is."""
+
+    step: int
+    ready_in_s: float | None
 
 
 # -- the job's supervision -> controller

@@ -905,6 +905,7 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "no-lending": {"lend_trainer_pool": False},
     "no-refit": {"refit": False},
     "no-reprefill-price": {"price_reprefill": False},
+    "no-early-reclaim": {"early_reclaim": False},
 }
 
 

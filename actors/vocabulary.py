@@ -65,6 +65,7 @@ MESSAGES: tuple[type[RLMessage], ...] = (
     shift.Register,
     shift.AgentState,
     shift.TrainerPhaseChanged,
+    shift.BatchForecast,
     shift.AgentLost,
     shift.AgentJoined,
     shift.QueryAllocation,

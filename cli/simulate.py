@@ -61,7 +61,14 @@ MEASURED_STEPS = 24
 STUDIES = ("horizon", "ablation")
 # the keys of pivot.actors.simulation.ABLATIONS, named here so that building the parser imports
 # nothing heavy (``pivot --help`` stays instant)
-ABLATION_NAMES = ("no-lending", "no-rebalance", "no-refit", "no-reprefill-price", "rule-based")
+ABLATION_NAMES = (
+    "no-lending",
+    "no-rebalance",
+    "no-refit",
+    "no-reprefill-price",
+    "no-early-reclaim",
+    "rule-based",
+)
 # --baseline-router: "best" runs each baseline's Table 4 split with each rule and keeps the
 # better one (measured: neither serves every baseline best)
 ROUTER_RULES = ("paper", "round_robin")

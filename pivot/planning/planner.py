@@ -18,7 +18,8 @@ Five steps (DESIGN.md, "The planner"; the authors' code as paper-notes.md sectio
 
 Gates: one shift at a time, a cooldown after each action, immunity of newly woken replicas
 from eviction, at most ``max_moves_per_action`` wakes per plan. Training moves as a whole and
-ahead of everything else: a waiting trainer lends its pool, a ready one takes it all back.
+ahead of everything else: a waiting trainer lends its pool, a ready one takes it all back, and
+so does a waiting one whose batch is forecast ready within the time the reclaim takes.
 
 The ``Planner`` refits each inference role's cost model online from measured decode
 iterations (``cost.OnlineCostModel``), so that a wrong prior converges to what its replicas
@@ -98,6 +99,9 @@ class PlannerSettings(ConfigStruct, kw_only=True):
     refit_interval_s: NonNegativeFloat = 10.0
     refit_window: PositiveInt = 1024
     refit_tolerance: NonNegativeFloat = 0.01
+    # reclaim the lent pool once the batch is forecast ready within the reclaim's time, not
+    # once it is ready (the reclaim then leaves the critical path)
+    early_reclaim: bool = True
     # rule-based policy: KV-cache pressure thresholds
     kv_high: PositiveFloat = 0.8
     kv_low: NonNegativeFloat = 0.1
@@ -303,7 +307,8 @@ def _trainer_plan(
     if not spec.trainer_pool:
         return None
     held = by_role[Role.TRAINING]
-    if snapshot.trainer is TrainerPhase.READY and not held:
+    soon = _ready_soon(snapshot, settings)
+    if (snapshot.trainer is TrainerPhase.READY or soon) and not held:
         pool = set(spec.trainer_pool)
         victims = [
             r
@@ -323,11 +328,34 @@ def _trainer_plan(
             phi=phi,
             expected_gain=-phi,
         )
-        return plan, f"trainer ready: reclaim its pool ({len(victims)} replicas evicted)"
-    if snapshot.trainer is TrainerPhase.WAITING and held and settings.lend_trainer_pool:
+        why = "trainer ready"
+        if snapshot.trainer is not TrainerPhase.READY:
+            why = f"batch ready in {snapshot.trainer_ready_in_s:.1f} s"
+        return plan, f"{why}: reclaim its pool ({len(victims)} replicas evicted)"
+    if (
+        snapshot.trainer is TrainerPhase.WAITING
+        and held
+        and settings.lend_trainer_pool
+        and not soon
+    ):
         plan = ShiftPlan(kind="lend_trainer", receiver=Role.FREE, moves=(_evict(held[0]),))
         return plan, "trainer waiting: lend its pool"
     return None
+
+
+def _ready_soon(snapshot: ClusterSnapshot, settings: PlannerSettings) -> bool:
+    """Whether the batch the waiting trainer needs is forecast ready within the reclaim's
+    time: then a lent pool comes back now, so that the reclaim ends as the batch is ready, and
+    a held one is not lent (it would be reclaimed at once). Once reclaimed, the Controller
+    reads the trainer as ready, so a forecast that moves later does not lend it out again."""
+    ready_in = snapshot.trainer_ready_in_s
+    return (
+        settings.early_reclaim
+        and snapshot.trainer is TrainerPhase.WAITING
+        and ready_in is not None
+        and snapshot.trainer_reclaim_s > 0
+        and ready_in <= snapshot.trainer_reclaim_s
+    )
 
 
 def _device_owners(spec: ClusterSpec, snapshot: ClusterSnapshot) -> np.ndarray:

@@ -52,6 +52,10 @@ class ClusterSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     rollout_queue: QueueState = msgspec.field(default_factory=QueueState)
     reward_queue: QueueState = msgspec.field(default_factory=QueueState)
     trainer: TrainerPhase = TrainerPhase.WAITING
+    # seconds until the batch the trainer waits for is predicted ready (None: no forecast),
+    # and how long taking its pool back takes (measured; 0: never measured)
+    trainer_ready_in_s: float | None = None
+    trainer_reclaim_s: float = 0.0
     shift_in_flight: bool = False
 
     def queue(self, role: Role) -> QueueState:

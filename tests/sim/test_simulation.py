@@ -24,6 +24,7 @@ from pivot.actors.testing import ActorCrash, FaultPlan, InvariantViolation, Mess
 from pivot.bus import run_virtual
 from pivot.cluster import ClusterSpec, Device, Pool, Role, RoleSpec
 from pivot.deployment import DeploymentKind, Split, sweep_splits, table4_split
+from pivot.planning.planner import PlannerSettings
 from pivot.planning.plans import TRAINER_ID
 from pivot.planning.snapshot import ClusterSnapshot, QueueState, ReplicaState, TrainerPhase
 from pivot.planning.staging import StagePolicy
@@ -592,3 +593,27 @@ def test_a_wrong_prior_converges_to_the_engines_cost_model_and_no_refit_keeps_it
     np.testing.assert_allclose(learned.itl(running, tokens), true.itl(running, tokens), rtol=1e-4)
     kept = planner_after(False).cost_models[Role.ROLLOUT]
     np.testing.assert_allclose(kept.itl(running, tokens), 2 * true.itl(running, tokens))
+
+
+def test_the_trainer_pool_is_reclaimed_before_its_batch_is_scored(tmp_path):
+    """Batches 0..2 run at once (staleness 2): batch 2's tail prices batch 3's, and the first
+    reclaim's time says how early to start, so the pool comes back for batch 3 before it is
+    scored; with the mechanism off every reclaim starts once its batch is scored."""
+    workload = _busy_toy(tmp_path)
+
+    def early_reclaims(**planner) -> int:
+        settings = SimulationSettings(steps=4, check="tick", planner=PlannerSettings(**planner))
+        result = simulate(workload, _pivot(workload), settings, journal_dir=tmp_path / "j")
+        early = 0
+        for mark in (m for m in result.marks if m.kind == "reclaim_trainer"):
+            # the batch it was for: the first one trained after the reclaim ended
+            step = min(
+                (s for s in result.steps if s.started_s + s.seconds > mark.t),
+                key=lambda s: s.started_s + s.seconds,
+            )
+            scored = step.started_s + step.seconds - step.train_s
+            early += mark.t - mark.seconds < scored - 1e-9
+        return early
+
+    assert early_reclaims() >= 1
+    assert early_reclaims(early_reclaim=False) == 0
