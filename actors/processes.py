@@ -11,18 +11,21 @@ Controller stays in the job's process.)
                    training, rendezvous_dir, resume=None, checkpoint_dir=None,
                    trainer_restart=None, controller=None)
     ControllerSpec: what a Controller process is built from (JSON), .control() -> Control
+    pin_to_cores(cores)     pins the calling process's threads (a pinned device's children)
     controller_process(name, *, directory, deployment, spec)   its child factory
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from pivot.accelerator import device_cores
 from pivot.actors.assembly import AgentStart, ChildProcess, Control, build_controller
 from pivot.actors.controller import Controller, ControllerSettings, open_journal
 from pivot.bus import Bus, Directory, RestartPolicy
@@ -36,6 +39,15 @@ from pivot.training import TrainingSettings
 #: An agent process imports torch and loads one engine per role: seconds, more under load.
 AGENT_READY_TIMEOUT_S = 180.0
 CONTROLLER_READY_TIMEOUT_S = 60.0
+
+
+def pin_to_cores(cores: list[int]) -> None:
+    """Pin every thread of this process, and so every thread it starts, to ``cores``."""
+    for tid in os.listdir("/proc/self/task"):  # sched_setaffinity(0) moves only the caller
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except ProcessLookupError:
+            pass  # a thread that ended meanwhile
 
 
 class ControllerSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -100,7 +112,10 @@ class ProcessBackend:
     restarted trainer group looks for the last complete one. ``trainer_restart``: the trainer
     group's restart policy (None: a rank that dies stops the job). ``accelerator`` and
     ``dtype``: ``cluster.accelerator`` and ``model.dtype`` (on ``cuda`` a job device is the GPU
-    of that index, for its agent and its trainer rank alike).
+    of that index, for its agent and its trainer rank alike). ``pin_cores``: on ``cpu``, each
+    device's agent and trainer rank run on that device's share of the cores this process may
+    use (``pivot.accelerator.device_cores`` over ``devices`` devices), with one torch thread
+    per core of it; the Controller and the job's own process are not pinned.
     """
 
     def __init__(
@@ -122,7 +137,11 @@ class ProcessBackend:
         checkpoint_dir: Path | None = None,
         trainer_restart: RestartPolicy | None = None,
         controller: ControllerSpec | None = None,
+        pin_cores: bool = False,
+        devices: int | None = None,
     ) -> None:
+        if pin_cores and devices is None:
+            raise ValueError("pin_cores needs the job's device count (devices)")
         self.directory = directory
         self.checkpoints = dict(checkpoints)
         self.store = store
@@ -139,6 +158,19 @@ class ProcessBackend:
         self.checkpoint_dir = checkpoint_dir
         self.trainer_restart = trainer_restart
         self.controller_spec = controller
+        self._cores = (
+            sorted(os.sched_getaffinity(0)) if pin_cores and accelerator == "cpu" else None
+        )
+        self.devices = devices
+
+    def cores(self, device: int) -> list[int] | None:
+        """The cores ``device``'s processes are pinned to (None: not pinned)."""
+        if self._cores is None or self.devices is None:
+            return None
+        return list(device_cores(device, self.devices, self._cores))
+
+    def _threads(self, cores: list[int] | None) -> int:
+        return len(cores) if cores else self.threads
 
     def router(self, role: Role) -> Router:
         return self._router(role)
@@ -161,6 +193,8 @@ class ProcessBackend:
         )
 
     def agent(self, agent: AgentStart) -> ChildProcess:
+        cores = self.cores(agent.device)
+        threads = self._threads(cores)
         return ChildProcess(
             target="pivot.actors.agent:torch_agent",
             kwargs={
@@ -176,10 +210,11 @@ class ProcessBackend:
                 "engine": self.engine,
                 "accelerator": self.accelerator,
                 "dtype": self.dtype,
-                "threads": self.threads,
+                "threads": threads,
                 "seed": self.seed * 1000 + agent.device,
+                "cores": cores,
             },
-            env={"OMP_NUM_THREADS": str(self.threads)},
+            env={"OMP_NUM_THREADS": str(threads)},
             ready_timeout=AGENT_READY_TIMEOUT_S,
         )
 
@@ -188,6 +223,7 @@ class ProcessBackend:
     ) -> list[tuple[str, ChildProcess]]:
         from pivot.actors.trainer_deepspeed import trainer_group
 
+        cores = [self.cores(d) for d in deployment.trainer_devices]
         return trainer_group(
             name,
             directory=self.directory,
@@ -199,7 +235,8 @@ class ProcessBackend:
             run_dir=self.rendezvous_dir,
             store_name=self.store,
             settings=self.training,
-            threads=self.threads,
+            threads=self._threads(cores[0]) if cores else self.threads,
+            cores=cores if self._cores is not None else None,
             controller=controller,
             resume=self.resume,
             checkpoints=self.checkpoint_dir,

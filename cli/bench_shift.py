@@ -82,13 +82,22 @@ class DeploymentRun:
         return sum(r.samples for r in self.reports) / max(seconds, 1e-9)
 
 
-def run_deployment(config: str, kind: str, steps: int, seed: int | None, root: Path):
+def run_deployment(
+    config: str,
+    kind: str,
+    steps: int,
+    seed: int | None,
+    root: Path,
+    overrides: list[str] | None = None,
+):
     from rich.console import Console
 
     from pivot.bus import run_real
     from pivot.cli.run import Job, logs_to, prepare
 
-    job, policy, genrm, inputs = prepare(config, seed=seed, deployment=kind, steps=steps)
+    job, policy, genrm, inputs = prepare(
+        config, overrides=overrides or [], seed=seed, deployment=kind, steps=steps
+    )
     run_dir = root / kind
     run_dir.mkdir(parents=True, exist_ok=True)
     runner = Job(job, policy, genrm, inputs, run_dir, Console(file=io.StringIO()))
@@ -101,12 +110,14 @@ def run_deployment(config: str, kind: str, steps: int, seed: int | None, root: P
 
 def main(args: argparse.Namespace) -> int:
     kinds = args.deployments or list(DEPLOYMENTS)
+    # every deployment runs under the same pinning
+    overrides = [] if args.pin_cores is None else [f"cluster.pin_cores={args.pin_cores}"]
     root = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="pivot-bench-"))
     runs: dict[str, DeploymentRun] = {}
     for kind in kinds:
         if not args.json:
             print(f"running {kind} ({args.steps} steps) ...", flush=True)
-        runs[kind] = run_deployment(args.config, kind, args.steps, args.seed, root)
+        runs[kind] = run_deployment(args.config, kind, args.steps, args.seed, root, overrides)
     pivot_run = runs.get("pivot")
     result = {
         "shift_s": shift_medians(pivot_run.shifts if pivot_run else []),
@@ -154,6 +165,17 @@ def add_parser(bench_sub) -> None:  # noqa: ANN001 - argparse's private subparse
         help="which deployments (default all four)",
     )
     p.add_argument("--seed", type=int, default=None)
+    pin = p.add_mutually_exclusive_group()
+    pin.add_argument(
+        "--pin-cores",
+        dest="pin_cores",
+        action="store_const",
+        const="true",
+        default=None,
+        help="pin each device to its share of the cores, for every deployment "
+        "(cluster.pin_cores; default: the config's)",
+    )
+    pin.add_argument("--no-pin-cores", dest="pin_cores", action="store_const", const="false")
     p.add_argument("--run-dir", default=None, help="where each deployment's run dir goes")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=main)

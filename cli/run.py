@@ -212,6 +212,8 @@ class Job:
             accelerator=self.job.cluster.accelerator,
             dtype=self.job.model.dtype,
             threads=self.job.cluster.threads_per_device,
+            pin_cores=self.job.cluster.pin_cores,
+            devices=self.job.cluster.devices,
             seed=self.job.seed,
             training=self.job.training,
             rendezvous_dir=self.sockets,
