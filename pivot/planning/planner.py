@@ -15,6 +15,8 @@ Five steps (DESIGN.md, "The planner"; the authors' code as paper-notes.md sectio
 Gates: one shift at a time, a cooldown after each action, immunity of newly woken replicas
 from eviction, at most ``max_moves_per_action`` wakes per plan. Training moves as a whole and
 ahead of everything else: a waiting trainer lends its pool, a ready one takes it all back.
+With ``lending.learn`` the Planner also times steps with the pool lent and kept
+(``pivot.planning.lending``) and stops lending where lending does not pay.
 
 Pure and synchronous: ``now`` comes in the snapshot, phase times from an injected timer.
 """
@@ -25,6 +27,7 @@ import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
+import msgspec
 import numpy as np
 
 from pivot.cluster import (
@@ -52,6 +55,7 @@ from pivot.planning.evaluation import (
     objective,
     simulate_role,
 )
+from pivot.planning.lending import LendingLedger, LendingSettings
 from pivot.planning.plans import (
     TRAINER_ID,
     CandidateScore,
@@ -85,6 +89,8 @@ class PlannerSettings(ConfigStruct, kw_only=True):
     # rule-based policy: KV-cache pressure thresholds
     kv_high: PositiveFloat = 0.8
     kv_low: NonNegativeFloat = 0.1
+    # learning online whether lending the trainer pool pays here (pivot.planning.lending)
+    lending: LendingSettings = msgspec.field(default_factory=LendingSettings)
 
 
 class _Phases:
@@ -514,6 +520,7 @@ class Planner:
         self.timer = timer
         self.migrate_time_s = self.settings.migrate_time_init_s
         self.last_action_at: float | None = None
+        self.lending = LendingLedger(self.settings.lending)
 
     def set_cost_model(self, role: Role, model: CostModel) -> None:
         self.cost_models[role] = model
@@ -536,11 +543,16 @@ class Planner:
             self.last_action_at = shifts[-1].started_at
 
     def decide(self, snapshot: ClusterSnapshot) -> Decision:
+        settings = self.settings
+        if settings.lending.learn:
+            self.lending.observe(snapshot)
+            if not self.lending.lending and settings.lend_trainer_pool:
+                settings = msgspec.structs.replace(settings, lend_trainer_pool=False)
         decision = plan_shift(
             self.spec,
             snapshot,
             self.cost_models,
-            settings=self.settings,
+            settings=settings,
             routers=self.routers,
             migrate_time_s=self.migrate_time_s,
             last_action_at=self.last_action_at,
