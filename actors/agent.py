@@ -113,11 +113,19 @@ class CheckpointWeights:
     tiny GenRM's safetensors read is ~6 ms of a shift; a GPU job's host memory is better left
     to the page cache than holding a large frozen model twice)."""
 
-    def __init__(self, folder: str | Path, version: int = 0, *, keep: bool = False) -> None:
+    def __init__(
+        self,
+        folder: str | Path,
+        version: int = 0,
+        *,
+        keep: bool = False,
+        tensors: NamedTensors | None = None,
+    ) -> None:
+        """``tensors``: the folder's, already read (kept when ``keep``)."""
         self.folder = Path(folder)
         self.version = version
         self.keep = keep
-        self._tensors: NamedTensors | None = None
+        self._tensors: NamedTensors | None = tensors if keep else None
 
     def __call__(self, model: str, min_version: int) -> tuple[NamedTensors, int]:
         from pivot.engines.loading import read_weights
@@ -846,7 +854,7 @@ def engines_for(
         weights[role] = (
             StoreWeights(store, like=tensors, reader_name=reader_name, pin=accelerator == "cuda")
             if store
-            else CheckpointWeights(folder, keep=accelerator == "cpu")
+            else CheckpointWeights(folder, keep=accelerator == "cpu", tensors=tensors)
         )
     return engines, weights
 
