@@ -822,31 +822,40 @@ def engines_for(
     reader_name: str,
     engine: str = "torch",
     device: int | None = None,
+    gpu: int | None = None,
+    mem_fraction: float | None = None,
     accelerator: str = "cpu",
     dtype: str = "float32",
     **engine_kwargs: Any,
 ) -> tuple[dict[str, InferenceEngine], dict[str, WeightLoader]]:
     """An engine per inference role, each serving its checkpoint folder (``torch``: the
     engine ``pivot.engines.loading.load_engine`` picks for it, on ``accelerator``'s device
-    ``device`` in ``dtype``; ``sglang``: SGLang, see ``sglang_engines``), and where each
-    role's weights are read on Acquire: the GPS host store named in ``stores`` for it (into
-    pinned host buffers on CUDA), else its folder again."""
-    from pivot.accelerator import torch_device
+    in ``dtype``; ``sglang``: SGLang, see ``sglang_engine``), and where each role's weights
+    are read on Acquire: the GPS host store named in ``stores`` for it (into pinned host
+    buffers on CUDA), else its folder again. On CUDA the engines run on GPU ``gpu`` (None:
+    GPU ``device``, the job device's index), each SGLang engine with ``mem_fraction`` of it
+    (``pivot.accelerator.GpuLayout.mem_fraction``; None: the engines split
+    ``MEM_FRACTION_STATIC`` as if alone on the GPU)."""
+    from pivot.accelerator import MEM_FRACTION_STATIC, torch_device
     from pivot.engines.loading import load_engine, read_weights, torch_dtype
 
+    if gpu is None:
+        gpu = device
+    if mem_fraction is None:
+        mem_fraction = round(MEM_FRACTION_STATIC / max(len(folders), 1), 4)
     engines: dict[str, InferenceEngine] = {}
     weights: dict[str, WeightLoader] = {}
     for role, folder in folders.items():
         tensors = read_weights(folder)
         if engine == "sglang":
             engines[role] = sglang_engine(
-                folder, tensors, shares=len(folders), device=device, **engine_kwargs
+                folder, tensors, gpu=gpu or 0, mem_fraction=mem_fraction, **engine_kwargs
             )
         else:
             engines[role] = load_engine(
                 folder,
                 tensors,
-                device=torch_device(accelerator, device),
+                device=torch_device(accelerator, gpu),
                 dtype=torch_dtype(dtype),
                 **engine_kwargs,
             )
@@ -863,22 +872,23 @@ def sglang_engine(
     folder: str | Path,
     tensors: Mapping[str, Any],
     *,
-    shares: int,
+    gpu: int,
+    mem_fraction: float,
     max_running: int,
     seed: int,
     clock: Callable[[], float] | None = None,
-    device: int | None = None,
     threads: int | None = None,
 ) -> InferenceEngine:
-    """An SGLang engine serving ``folder`` on GPU ``device``, one of ``shares`` engines on that
-    GPU (each role an agent may serve has one, built at start: they split its memory)."""
+    """An SGLang engine serving ``folder`` on GPU ``gpu``, taking ``mem_fraction`` of it for
+    its weights and KV cache (SGLang's ``mem_fraction_static``: its share of the GPU, with
+    the agent's other engines, those of other agents on that GPU and a trainer rank there)."""
     from pivot.actors.sglang_engine import SGLangEngine
 
     del threads  # CPU threads: SGLang runs its own processes
     return SGLangEngine.launch(
         str(folder),
-        base_gpu_id=device or 0,
-        mem_fraction_static=round(0.8 / shares, 3),
+        base_gpu_id=gpu,
+        mem_fraction_static=mem_fraction,
         max_running=max_running,
         seed=seed,
         param_names=tensors.keys(),
@@ -903,13 +913,16 @@ def torch_agent(
     devices: list[int] | None = None,
     engine: str = "torch",
     accelerator: str = "cpu",
+    gpu: int | None = None,
+    mem_fraction: float | None = None,
     dtype: str = "float32",
     cores: list[int] | None = None,
 ) -> RoleAgent:
     """Factory for a child process: a RoleAgent serving HF checkpoints on CPU or, with
-    ``accelerator="cuda"``, on GPU ``device`` in ``dtype`` (pivot's torch engine for its
-    decoder families, the transformers fallback for other causal LMs), or with
-    ``engine="sglang"`` on GPU ``device`` with SGLang (``model.engine``).
+    ``accelerator="cuda"``, on GPU ``gpu`` (None: GPU ``device``) in ``dtype`` (pivot's torch
+    engine for its decoder families, the transformers fallback for other causal LMs), or with
+    ``engine="sglang"`` on that GPU with SGLang (``model.engine``), each engine taking
+    ``mem_fraction`` of it (see ``engines_for``).
 
     ``model`` is the checkpoint of ``role``. For an agent that may shift, ``checkpoints``
     names one checkpoint folder per inference role (an engine is built for each); on
@@ -932,6 +945,8 @@ def torch_agent(
         reader_name=name,
         engine=engine,
         device=device,
+        gpu=gpu,
+        mem_fraction=mem_fraction,
         accelerator=accelerator,
         dtype=dtype,
         max_running=max_running,

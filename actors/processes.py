@@ -1,14 +1,15 @@
 """The real backend on one host: every agent, every trainer rank and the Controller a
 supervised child process, talking nng ipc://. Agents serve Hugging Face checkpoint folders
 with pivot's torch engine (one engine per role the agent may serve) and read new policy
-versions from the GPS host store; the trainer is a DeepSpeed group on gloo, one rank per
-trainer device, rank 0 writing each new policy to that store. The Controller's process can
-die alone: the supervisor restarts it, and it replays its journal and reconciles while the
-job goes on. (A time-sharing baseline's stage policy reads the Driver's open batches, so its
+versions from the GPS host store; the trainer is a DeepSpeed group (gloo on CPU, one rank
+per trainer device; NCCL on CUDA, one rank per GPU of the trainer devices:
+``pivot.accelerator``), rank 0 writing each new policy to that store. The Controller's
+process can die alone: the supervisor restarts it, and it replays its journal and
+reconciles while the job goes on. (A time-sharing baseline's stage policy reads the Driver's open batches, so its
 Controller stays in the job's process.)
 
     ProcessBackend(directory, *, checkpoints, store, router, max_running, threads, seed,
-                   training, rendezvous_dir, resume=None, checkpoint_dir=None,
+                   training, layout, rendezvous_dir, resume=None, checkpoint_dir=None,
                    trainer_restart=None, controller=None)
     ControllerSpec: what a Controller process is built from (JSON), .control() -> Control
     pin_to_cores(cores)     pins the calling process's threads (a pinned device's children)
@@ -25,7 +26,7 @@ from typing import Any
 
 import msgspec
 
-from pivot.accelerator import device_cores
+from pivot.accelerator import GpuLayout, device_cores
 from pivot.actors.assembly import AgentStart, ChildProcess, Control, build_controller
 from pivot.actors.controller import Controller, ControllerSettings, open_journal
 from pivot.bus import Bus, Directory, RestartPolicy
@@ -110,12 +111,13 @@ class ProcessBackend:
     ``resume``: a checkpoint's trainer state to continue from (the rollout checkpoint is then
     that checkpoint's policy folder). ``checkpoint_dir``: the run's checkpoints, where a
     restarted trainer group looks for the last complete one. ``trainer_restart``: the trainer
-    group's restart policy (None: a rank that dies stops the job). ``accelerator`` and
-    ``dtype``: ``cluster.accelerator`` and ``model.dtype`` (on ``cuda`` a job device is the GPU
-    of that index, for its agent and its trainer rank alike). ``pin_cores``: on ``cpu``, each
-    device's agent and trainer rank run on that device's share of the cores this process may
-    use (``pivot.accelerator.device_cores`` over ``devices`` devices), with one torch thread
-    per core of it; the Controller and the job's own process are not pinned.
+    group's restart policy (None: a rank that dies stops the job). ``layout``: the
+    accelerator, each job device's GPU, the job devices of the trainer's ranks and each
+    agent's SGLang memory share (``JobConfig.layout``). ``dtype``: ``model.dtype``.
+    ``pin_cores``: on ``cpu``, each device's agent and trainer rank run on that device's share
+    of the cores this process may use (``pivot.accelerator.device_cores`` over ``devices``
+    devices), with one torch thread per core of it; the Controller and the job's own process
+    are not pinned.
     """
 
     def __init__(
@@ -130,7 +132,7 @@ class ProcessBackend:
         seed: int,
         training: TrainingSettings,
         engine: str = "torch",
-        accelerator: str = "cpu",
+        layout: GpuLayout,
         dtype: str = "float32",
         rendezvous_dir: Path,
         resume: Path | None = None,
@@ -148,7 +150,7 @@ class ProcessBackend:
         self._router = router
         self.max_running = max_running
         self.engine = engine
-        self.accelerator = accelerator
+        self.layout = layout
         self.dtype = dtype
         self.threads = threads
         self.seed = seed
@@ -159,7 +161,7 @@ class ProcessBackend:
         self.trainer_restart = trainer_restart
         self.controller_spec = controller
         self._cores = (
-            sorted(os.sched_getaffinity(0)) if pin_cores and accelerator == "cpu" else None
+            sorted(os.sched_getaffinity(0)) if pin_cores and layout.accelerator == "cpu" else None
         )
         self.devices = devices
 
@@ -208,7 +210,9 @@ class ProcessBackend:
                 "device": agent.device,
                 "max_running": self.max_running,
                 "engine": self.engine,
-                "accelerator": self.accelerator,
+                "accelerator": self.layout.accelerator,
+                "gpu": self.layout.gpu(agent.device),
+                "mem_fraction": self.layout.mem_fraction.get(agent.device),
                 "dtype": self.dtype,
                 "threads": threads,
                 "seed": self.seed * 1000 + agent.device,
@@ -223,14 +227,15 @@ class ProcessBackend:
     ) -> list[tuple[str, ChildProcess]]:
         from pivot.actors.trainer_deepspeed import trainer_group
 
-        cores = [self.cores(d) for d in deployment.trainer_devices]
+        # the layout's trainer ranks are its trainer devices, one per GPU
+        cores = [self.cores(d) for d in self.layout.trainer_devices]
         return trainer_group(
             name,
             directory=self.directory,
             checkpoint=self.checkpoints[Role.ROLLOUT],
-            world_size=len(deployment.trainer_devices),
-            accelerator=self.accelerator,
-            gpus=list(deployment.trainer_devices),
+            world_size=len(self.layout.trainer_devices),
+            accelerator=self.layout.accelerator,
+            gpus=self.layout.trainer_gpus,
             dtype=self.dtype,
             run_dir=self.rendezvous_dir,
             store_name=self.store,

@@ -19,7 +19,8 @@ group's sockets: commands travel as msgpack bytes in a uint8 tensor (``encode_co
 RNG states and parameter digests as fixed-size uint8 tensors; no object collectives.
 
 On CUDA (``cluster.accelerator = "cuda"``) each rank trains on its GPU (``gpu``:
-``torch.cuda.set_device``) in an NCCL group, in bf16 with ``model.dtype = "bfloat16"``
+``torch.cuda.set_device``, and LOCAL_RANK, which DeepSpeed's engine moves to; one rank per
+GPU, ``pivot.accelerator``) in an NCCL group, in bf16 with ``model.dtype = "bfloat16"``
 (DeepSpeed's ``bf16`` section: fp32 master weights in the optimizer); the command broadcast
 stays on a gloo group of its own (host tensors). Everything else is the CPU path.
 
@@ -129,18 +130,23 @@ def _import_deepspeed():
 
 
 def init_process_group(
-    rank: int, world_size: int, rendezvous: str, *, backend: str = "gloo"
+    rank: int, world_size: int, rendezvous: str, *, backend: str = "gloo", gpu: int | None = None
 ) -> None:
     """Join the trainer's process group (``backend``: ``pivot.accelerator.dist_backend``;
     ``rendezvous``: an init_method URL such as ``file:///run/trainer.rendezvous`` or
     ``tcp://127.0.0.1:PORT``) and set the environment DeepSpeed reads, so that it needs
-    neither a launcher nor MPI discovery."""
+    neither a launcher nor MPI discovery. ``gpu``: the rank's GPU on CUDA, its LOCAL_RANK:
+    DeepSpeed's engine moves to ``cuda:LOCAL_RANK`` whatever device is current."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         return
+    local = rank if gpu is None else gpu
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size)
+        RANK=str(rank),
+        LOCAL_RANK=str(local),
+        WORLD_SIZE=str(world_size),
+        LOCAL_SIZE=str(world_size),
     )
     dist.init_process_group(
         backend,
@@ -910,6 +916,7 @@ def _trainer_rank(
         world_size,
         f"{rendezvous}.{os.environ.get(START_ENV, '0')}",
         backend=dist_backend(accelerator),
+        gpu=(gpu or 0) if accelerator == "cuda" else None,
     )
     start = _choose_start(rank, checkpoint, resume, store_name, checkpoints)
     engine = DeepSpeedTrainer(

@@ -166,6 +166,7 @@ class Job:
         self.view = view
         self.tracker = tracker or NoTracker()
         self.deployment = job.plan()
+        self.layout = job.layout()  # validated: each device's GPU, the trainer's ranks
         self.assembly: Assembly | None = None
         self.monitor: Monitor | None = None  # once the job's actors are made
         self.events: EventHub | None = None  # likewise
@@ -209,7 +210,7 @@ class Job:
             ),
             max_running=self.job.model.max_running,
             engine=self.job.model.engine,
-            accelerator=self.job.cluster.accelerator,
+            layout=self.layout,
             dtype=self.job.model.dtype,
             threads=self.job.cluster.threads_per_device,
             pin_cores=self.job.cluster.pin_cores,
@@ -239,7 +240,7 @@ class Job:
             CONTROLLER,
             *(SCHEDULERS[r] for r in d.roles),
             *(agent_name(device) for device in d.agent_devices),
-            *trainer_names(TRAINER, len(d.trainer_devices)),
+            *trainer_names(TRAINER, len(self.layout.trainer_devices)),
         ]
 
     async def run(self) -> tuple[list[StepReport], Monitor]:
@@ -408,7 +409,7 @@ class Job:
         if self.view is not None:  # start-up phase for the live panel
             self.view.phase(
                 f"starting {len(d.agent_devices)} role agents (each loads its models) and "
-                f"{len(d.trainer_devices)} trainer ranks (DeepSpeed engine build)"
+                f"{len(self.layout.trainer_devices)} trainer ranks (DeepSpeed engine build)"
             )
         state = "failed"  # what an exception on the way says, unless it says otherwise
         try:
@@ -417,7 +418,10 @@ class Job:
                 self.bus.clock.now(),
                 [
                     ("starting agents, loading models", [agent_name(v) for v in d.agent_devices]),
-                    ("building DeepSpeed", trainer_names(TRAINER, len(d.trainer_devices))),
+                    (
+                        "building DeepSpeed",
+                        trainer_names(TRAINER, len(self.layout.trainer_devices)),
+                    ),
                     ("starting the controller", [CONTROLLER] if d.managed else []),
                 ],
             )
@@ -698,8 +702,8 @@ def check_engine_installed(job: JobConfig, config: str) -> None:
 
 
 def check_accelerator(job: JobConfig, config: str) -> None:
-    """This host has the GPUs ``cluster.accelerator = "cuda"`` and ``cluster.devices`` ask for
-    (torch is imported only then: the CPU path never asks it)."""
+    """This host has the GPUs ``cluster.accelerator = "cuda"`` and ``cluster.devices`` (or
+    ``cluster.gpus``) ask for (torch is imported only then: the CPU path never asks it)."""
     if job.cluster.accelerator != "cuda":
         return
     import torch
@@ -710,6 +714,7 @@ def check_accelerator(job: JobConfig, config: str) -> None:
         available=torch.cuda.is_available(),
         count=torch.cuda.device_count(),
         cpu_build=torch.version.cuda is None,
+        gpus=job.cluster.gpus,
     )
     if problem is not None:
         raise ConfigError(config, *problem)
@@ -820,7 +825,7 @@ def main(args: argparse.Namespace) -> int:
     console = Console(soft_wrap=True)
     c, d = job.cluster, job.deployment
     deployment = job.plan()
-    ranks = len(deployment.trainer_devices)
+    ranks = len(job.layout().trainer_devices)  # one per GPU on cuda
     judge = {
         "genrm": "GenRM judging",
         "function": f"reward {job.reward.function}",
@@ -829,7 +834,8 @@ def main(args: argparse.Namespace) -> int:
     console.print(
         f"[bold]pivot run[/bold] {args.config}: GRPO, {inputs.steps} steps of "
         f"{job.rollout.prompts_per_step}x{job.rollout.samples_per_prompt} samples; {judge}; "
-        f"{c.devices} CPU devices ({ranks} trainer ranks, ZeRO-{job.training.zero_stage}); "
+        f"{c.devices} {c.accelerator.upper()} devices ({ranks} trainer ranks, "
+        f"ZeRO-{job.training.zero_stage}); "
         f"deployment {d.kind}; torch engines and DeepSpeed over nng ipc://\n{inputs.data_line}\n"
         f"run dir: {run_dir}"
     )

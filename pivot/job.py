@@ -12,7 +12,15 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from pivot.accelerator import Accelerator, DType
+from pivot.accelerator import (
+    MEM_FRACTION_STATIC,
+    TRAINER_GPU_FRACTION,
+    Accelerator,
+    DType,
+    GpuLayout,
+    PlacementError,
+    place,
+)
 from pivot.cluster import Role
 from pivot.config import (
     ConfigError,
@@ -36,16 +44,22 @@ class ClusterSection(ConfigStruct):
     ``accelerator``: ``cpu``, a device is a process with torch pinned to its threads; or
     ``cuda``, device N is GPU N (``cuda:N``; ``devices`` at most ``torch.cuda.device_count()``),
     where the torch engine serves one replica per GPU, each trainer rank trains on its GPU over
-    NCCL, and SGLang serves on its GPU (``pivot.accelerator``).
+    NCCL, and SGLang serves on its GPU (``pivot.accelerator``). ``gpus`` (``cuda`` only): the
+    GPU of each job device instead, which several may share (``[0, 0, 0]``: all on GPU 0);
+    the trainer then has one rank per distinct GPU of its devices, and
+    ``trainer_gpu_fraction`` of ``model.mem_fraction_static`` on a trainer rank's GPU is the
+    trainer's, not SGLang's.
 
-    The last ``trainer_devices`` form the trainer pool (one DeepSpeed rank each); the others
-    are the shared pool of rollout and reward replicas.
+    The last ``trainer_devices`` form the trainer pool (one DeepSpeed rank each, one per GPU
+    on ``cuda``); the others are the shared pool of rollout and reward replicas.
     """
 
     accelerator: Accelerator = "cpu"
     devices: Count(4096) = 4
+    gpus: tuple[NonNegativeInt, ...] = ()
     threads_per_device: PositiveInt = 1
     trainer_devices: PositiveInt = 2
+    trainer_gpu_fraction: Fraction = TRAINER_GPU_FRACTION
     # cpu: pin each device's processes (its agent, its trainer rank) to its own share of this
     # host's cores, with as many torch threads as it has cores (pivot.accelerator.device_cores)
     pin_cores: bool = False
@@ -78,7 +92,9 @@ class ModelSection(ConfigStruct):
     SGLang engine per replica on its GPU (the ``gpu`` extra, in a venv of its own: README,
     "GPU (SGLang)"). ``dtype``: the torch engine's weights and KV cache and the trainer's
     DeepSpeed precision: ``float32``, or ``bfloat16`` (``cluster.accelerator = "cuda"``
-    only); SGLang serves in bfloat16 either way.
+    only); SGLang serves in bfloat16 either way. ``mem_fraction_static``: SGLang's, for each
+    GPU: the share its engines there (and a trainer rank's ``cluster.trainer_gpu_fraction``)
+    take together, split evenly among them (``pivot.accelerator``).
     """
 
     policy: str = "tiny-policy"
@@ -86,6 +102,7 @@ class ModelSection(ConfigStruct):
     max_running: Count(65_536) = 32
     engine: Literal["torch", "sglang"] = "torch"
     dtype: DType = "float32"
+    mem_fraction_static: Fraction = MEM_FRACTION_STATIC
 
 
 class RolloutSection(ConfigStruct):
@@ -249,6 +266,25 @@ class JobConfig(ConfigStruct):
             pool_held=False,
         )
 
+    def layout(self) -> GpuLayout:
+        """Each job device's GPU, the trainer's ranks and each SGLang engine's share of its
+        GPU (``pivot.accelerator.place``); raises ``PlacementError``."""
+        c, deployment = self.cluster, self.plan()
+        engines = (
+            {d: len(deployment.engine_roles(d)) for d in deployment.agent_devices}
+            if self.model.engine == "sglang"
+            else None
+        )
+        return place(
+            c.accelerator,
+            c.devices,
+            trainer_devices=deployment.trainer_devices,
+            engines=engines,
+            gpus=c.gpus,
+            mem_fraction_static=self.model.mem_fraction_static,
+            trainer_gpu_fraction=c.trainer_gpu_fraction,
+        )
+
     def validate(self, source: str) -> JobConfig:
         """Rules across sections; a violation names the key like a type error does."""
         c, d = self.cluster, self.deployment
@@ -275,10 +311,9 @@ class JobConfig(ConfigStruct):
             )
         self._check_reward(source)
         judged = self.reward.kind == "genrm"
-        if d.kind not in (DeploymentKind.PIVOT, DeploymentKind.DISAGGREGATED):
-            return self._check_temperature(source)
         most = self.shared_devices - (1 if judged and d.kind is DeploymentKind.DISAGGREGATED else 0)
-        if d.rollout_devices > most:
+        pools = d.kind in (DeploymentKind.PIVOT, DeploymentKind.DISAGGREGATED)
+        if pools and d.rollout_devices > most:
             why = "leaving one for the GenRM" if most < self.shared_devices else ""
             raise ConfigError(
                 source,
@@ -287,6 +322,11 @@ class JobConfig(ConfigStruct):
                 f"{', ' + why if why else ''})",
                 f"int {d.rollout_devices}",
             )
+        if c.accelerator == "cuda" or c.gpus:  # once the deployment can be planned
+            try:
+                self.layout()
+            except PlacementError as exc:
+                raise ConfigError(source, exc.key, exc.expected, exc.found) from None
         return self._check_temperature(source)
 
     def _check_reward(self, source: str) -> None:

@@ -8,17 +8,18 @@
 #   3. runs the engine conformance suite against real SGLang on the GPU
 #      (scripts/gpu_conformance.py);
 #   4. runs `pivot bench shift` on the tiny job on CUDA (cluster.accelerator = "cuda",
-#      model.engine = "sglang", model.dtype = "bfloat16": device N is GPU N, the trainer one
-#      NCCL rank on the last GPU) under pivot and one baseline (disaggregated), a few steps
-#      each: shift phases (release, GPS read, register), migration abort / dispatch /
-#      re-prefill medians, samples/s per deployment;
+#      model.engine = "sglang", model.dtype = "bfloat16", trainer_devices = 1) under pivot
+#      and one baseline (disaggregated), a few steps each: shift phases (release, GPS read,
+#      register), migration abort / dispatch / re-prefill medians, samples/s per deployment;
 # then prints one JSON object with all of it. Each step's first line says which step it is.
 #
-# Status: written before any GPU was available. Step 4 uses every visible GPU as one job
-# device (cluster.devices = the GPU count, trainer_devices = 1): disaggregated with a GenRM
-# needs 3 (rollout, GenRM, trainer), so on fewer GPUs pivot refuses the config in one line
-# (job devices sharing a GPU are not supported yet) and the JSON reports that as step 4's
-# error instead of stopping.
+# Step 4's job has max(3, G) job devices on the G visible GPUs (disaggregated with a GenRM
+# needs 3: rollout, GenRM, trainer), job device N on GPU N mod G (cluster.gpus): on one GPU
+# all three share GPU 0, each SGLang engine taking its share of model.mem_fraction_static
+# after the trainer rank's cluster.trainer_gpu_fraction (pivot/accelerator.py); on 3 or more
+# GPUs each job device has a GPU of its own.
+#
+# Status: written before any GPU was available; not run yet.
 set -uo pipefail
 
 STEPS=${PIVOT_GPU_CHECK_STEPS:-3}
@@ -48,9 +49,15 @@ echo "[3/4] engine conformance suite against SGLang on the GPU (scripts/gpu_conf
 conformance_rc=$?
 
 GPUS=$(nvidia-smi --list-gpus 2>/dev/null | wc -l)
-echo "[4/4] pivot bench shift on $GPUS CUDA devices, model.engine = sglang, pivot and disaggregated, $STEPS steps ..."
+DEVICES=$(( GPUS > 3 ? GPUS : 3 ))
+# job device N on GPU N mod GPUS (no GPU seen: all on GPU 0, and pivot says what is missing)
+MAP=$(sep=""; for ((d = 0; d < DEVICES; d++)); do
+    printf '%s%d' "$sep" $(( d % (GPUS > 0 ? GPUS : 1) )); sep=", "; done)
+MAP="[$MAP]"
+echo "[4/4] pivot bench shift on $GPUS GPUs (cluster.gpus = $MAP), model.engine = sglang," \
+    "pivot and disaggregated, $STEPS steps ..."
 sed -e 's/^max_running = 32$/max_running = 32\nengine = "sglang"\ndtype = "bfloat16"/' \
-    -e "s/^devices = 4 .*/devices = $GPUS\naccelerator = \"cuda\"/" \
+    -e "s/^devices = 4 .*/devices = $DEVICES\naccelerator = \"cuda\"\ngpus = $MAP/" \
     -e 's/^trainer_devices = 2 .*/trainer_devices = 1/' configs/tiny.toml >"$OUT/gpu-tiny.toml"
 "$VENV/bin/pivot" bench shift "$OUT/gpu-tiny.toml" --steps "$STEPS" \
     --deployments pivot disaggregated --run-dir "$OUT/runs" --json \

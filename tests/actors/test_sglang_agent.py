@@ -134,3 +134,61 @@ def test_a_weight_load_mid_sequence_splits_its_version_chunks():
     assert 6 <= first.tokens < TOKENS
     assert [c.version for c in done[1].chunks] == [1]
     assert calls[0] == "pause:retract" and "update_weights_from_tensor" in calls
+
+
+def test_agents_sharing_one_gpu_launch_sglang_on_it_with_their_share_of_its_memory(
+    monkeypatch, tmp_path
+):
+    # pivot run's path: the job's layout -> each agent process's kwargs -> its engines
+    from pivot.actors import sglang_engine
+    from pivot.actors.agent import engines_for
+    from pivot.actors.assembly import AgentStart, agent_name, trainer_names
+    from pivot.actors.processes import ProcessBackend
+    from pivot.assets import ASSETS
+    from pivot.bus import Directory
+    from pivot.config import decode_toml
+    from pivot.job import JobConfig
+    from pivot.training import TrainingSettings
+
+    toml = '[cluster]\naccelerator = "cuda"\ngpus = [0, 0, 0, 0]\n[model]\nengine = "sglang"\n'
+    job = decode_toml(toml, JobConfig, "j.toml").validate("j.toml")
+    deployment = job.plan()
+    backend = ProcessBackend(
+        Directory.ipc(tmp_path, trainer_names("trainer", 1)),
+        checkpoints={Role.ROLLOUT: ASSETS / "tiny-policy", Role.REWARD: ASSETS / "tiny-genrm"},
+        store="",
+        router=lambda role: None,
+        max_running=8,
+        threads=1,
+        seed=0,
+        training=TrainingSettings(),
+        engine="sglang",
+        layout=job.layout(),
+        rendezvous_dir=tmp_path,
+    )
+    monkeypatch.setattr(sglang_engine, "real_api", lambda: fake_sglang.api(vocab_size=512))
+    launched = {}
+    for device in deployment.agent_devices:
+        kw = backend.agent(
+            AgentStart(
+                name=agent_name(device),
+                device=device,
+                role=Role.FREE,
+                replica=None,
+                devices=(),
+                scheduler=None,
+                engine_roles=deployment.engine_roles(device),
+            )
+        ).kwargs
+        wanted = ("engine", "device", "gpu", "mem_fraction", "accelerator", "max_running", "seed")
+        engines, _ = engines_for(
+            kw["checkpoints"], {}, reader_name="a", **{k: kw[k] for k in wanted}
+        )
+        for role, engine in engines.items():
+            args = engine._engine.server_args
+            launched[device, role] = (args["base_gpu_id"], args["mem_fraction_static"])
+            engine.close()
+    # 4 agents x (rollout, GenRM) on GPU 0 split 0.8 of it, less the trainer rank's 0.3
+    assert launched == {(d, r): (0, 0.0625) for d in range(4) for r in ("rollout", "reward")}
+    [(_, rank)] = backend.trainer("trainer", deployment, None)  # NCCL: one rank on GPU 0
+    assert (rank.kwargs["world_size"], rank.kwargs["gpu"]) == (1, 0)

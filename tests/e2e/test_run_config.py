@@ -304,3 +304,23 @@ def test_more_cuda_devices_than_the_host_has_is_one_line_and_starts_nothing(
     [line] = capsys.readouterr().err.splitlines()
     assert "key 'cluster.devices': expected at most the 1 CUDA devices here" in line
     assert not run_dir.exists() and not started
+
+
+def test_job_devices_sharing_gpus_are_checked_against_the_host_before_anything_starts(
+    tmp_path, capsys, started, monkeypatch
+):
+    import torch
+
+    run_dir = tmp_path / "run"
+    tiny = str(REPO / "configs/tiny.toml")
+    shared = ["run", tiny, "cluster.accelerator=cuda", "--run-dir", str(run_dir)]
+    assert main([*shared, "cluster.gpus=[0, 0, 0, 0]"]) == 2  # this host: the CPU build
+    [line] = capsys.readouterr().err.splitlines()
+    assert "found none: this torch is the CPU build" in line
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a host with one GPU
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert main([*shared, "cluster.gpus=[0, 0, 1, 1]"]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert "key 'cluster.gpus': expected GPU indices below the 1 CUDA devices here" in line
+    assert "found GPU 1 in [0, 0, 1, 1]" in line
+    assert not run_dir.exists() and not started
