@@ -109,11 +109,24 @@ class ShiftRefused(RuntimeError):
 
 
 class CheckpointWeights:
-    """Weights from a Hugging Face checkpoint folder (version ``version``, fixed)."""
+    """Weights from a Hugging Face checkpoint folder (version ``version``, fixed). ``keep``:
+    read the files once and hand out those tensors at every shift (on a CPU device, where the
+    tiny GenRM's safetensors read is ~6 ms of a shift; a GPU job's host memory is better left
+    to the page cache than holding a large frozen model twice)."""
 
-    def __init__(self, folder: str | Path, version: int = 0) -> None:
+    def __init__(
+        self,
+        folder: str | Path,
+        version: int = 0,
+        *,
+        keep: bool = False,
+        tensors: NamedTensors | None = None,
+    ) -> None:
+        """``tensors``: the folder's, already read (kept when ``keep``)."""
         self.folder = Path(folder)
         self.version = version
+        self.keep = keep
+        self._tensors: NamedTensors | None = tensors if keep else None
 
     def __call__(self, model: str, min_version: int) -> tuple[NamedTensors, int]:
         from pivot.engines.loading import read_weights
@@ -123,7 +136,12 @@ class CheckpointWeights:
                 f"checkpoint {self.folder} holds version {self.version}, "
                 f"version {min_version} or newer was asked for"
             )
-        return read_weights(self.folder), self.version
+        if self._tensors is not None:
+            return self._tensors, self.version
+        tensors = read_weights(self.folder)
+        if self.keep:
+            self._tensors = tensors
+        return tensors, self.version
 
 
 class StoreWeights:
@@ -866,7 +884,7 @@ def engines_for(
         weights[role] = (
             StoreWeights(store, like=tensors, reader_name=reader_name, pin=accelerator == "cuda")
             if store
-            else CheckpointWeights(folder)
+            else CheckpointWeights(folder, keep=accelerator == "cpu", tensors=tensors)
         )
     return engines, weights
 
@@ -919,6 +937,7 @@ def torch_agent(
     gpu: int | None = None,
     mem_fraction: float | None = None,
     dtype: str = "float32",
+    cores: list[int] | None = None,
 ) -> RoleAgent:
     """Factory for a child process: a RoleAgent serving HF checkpoints on CPU or, with
     ``accelerator="cuda"``, on GPU ``gpu`` (None: GPU ``device``) in ``dtype`` (pivot's torch
@@ -929,10 +948,15 @@ def torch_agent(
     ``model`` is the checkpoint of ``role``. For an agent that may shift, ``checkpoints``
     names one checkpoint folder per inference role (an engine is built for each); on
     Acquire the role's weights are read from the GPS host store named in ``stores`` for
-    that role, else from its checkpoint folder again.
+    that role, else from its checkpoint folder again. ``cores``: the CPU cores this process
+    runs on (its device's share; None: wherever the OS puts it).
     """
     import time
 
+    if cores:  # before torch starts its thread pool
+        from pivot.actors.processes import pin_to_cores
+
+        pin_to_cores(cores)
     folders = dict(checkpoints or {})
     if model is not None:
         folders.setdefault(role, model)

@@ -94,7 +94,7 @@ from pivot.actors.vocabulary import LOAD_TOPIC, SHIFT_TOPIC
 from pivot.bus import Actor, Bus, BusError, handles
 from pivot.cluster import INFERENCE_ROLES, Allocation, ClusterSpec, Move, Role
 from pivot.config import ConfigStruct, PositiveInt, Seconds
-from pivot.planning.planner import PlannerSettings
+from pivot.planning.planner import Planner, PlannerSettings
 from pivot.planning.plans import Decision, ShiftPlan, ShiftPolicy
 from pivot.planning.snapshot import ClusterSnapshot, QueueState, ReplicaState, TrainerPhase
 from pivot.retry import RetriesExhausted
@@ -214,6 +214,7 @@ class Controller(Actor):
         self.settings = settings or ControllerSettings()
         # the planner, or a time-sharing baseline's stage policy
         self.planner: ShiftPolicy = policy
+        self._steps_logged = 0
         self.allocation = Allocation(spec, ())
         self.recovered = asyncio.Event()
         self.shift: ShiftTransaction | None = None
@@ -344,6 +345,7 @@ class Controller(Actor):
             return None
         decision = self.planner.decide(snapshot)
         self.last_decision = decision
+        self._log_lending()
         if self.settings.decisions_every_s > 0:
             await self._tell_decision(decision)
         if decision.plan is not None:
@@ -354,6 +356,23 @@ class Controller(Actor):
                 self._trainer_ready = True
             await self.execute(decision.plan, decision.reason)
         return decision
+
+    def _log_lending(self) -> None:
+        """Each step the planner timed with its pool lent or kept, once (a stage policy times
+        none)."""
+        ledger = self.planner.lending if isinstance(self.planner, Planner) else None
+        if ledger is None:
+            return
+        timed = len(ledger.seconds[True]) + len(ledger.seconds[False])
+        if timed == self._steps_logged:
+            return
+        self._steps_logged = timed
+        self.log.info(
+            "step timed",
+            lent=[round(x, 3) for x in ledger.seconds[True]],
+            kept=[round(x, 3) for x in ledger.seconds[False]],
+            lending_pays=ledger.pays(),
+        )
 
     async def _tell_decision(self, decision: Decision) -> None:
         """Publish ``decision`` for watchers when it says something new, or when the last
@@ -481,7 +500,9 @@ class Controller(Actor):
                         )
                     await self.clock.sleep(self._backoff(attempt))
             record = txn.advance(self.clock.now())
-            self.journal.append(record)
+            # a phase with no command has no action to be durable before: the next phase's
+            # fsync covers its record (recovery from the phase before it redoes nothing)
+            self.journal.append(record, durable=bool(txn.pending()))
             phase_s[record.phase.value] = max(record.at - last, 0.0)
             last = record.at
         await self._finish(txn, phase_s)

@@ -87,11 +87,11 @@ class JournalTrap:
         self._record: int | None = record
         self._spring = spring
 
-    def append(self, record: Any) -> None:
+    def append(self, record: Any, *, durable: bool = True) -> None:
         if self._inner.appended + 1 == self._record:
             self._record = None
             self._spring(self._inner.appended + 1)
-        self._inner.append(record)
+        self._inner.append(record, durable=durable)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)

@@ -17,6 +17,7 @@ damaged bytes were kept.
     journal.opened.records / .problem               # what was there when opened
     journal.skipped / .kept_aside                   # what the repair skipped, and kept where
     journal.append(record)                          # write + flush + fsync, then return
+    journal.append(record, durable=False)           # write + flush (the next fsync covers it)
     journal.replay() -> Replay                      # read the file again
 """
 
@@ -99,10 +100,15 @@ class Journal:
                 os.fsync(out.fileno())
         self._sync_dir()
 
-    def append(self, record: Any) -> None:
-        """Write one record and make it durable before returning."""
+    def append(self, record: Any, *, durable: bool = True) -> None:
+        """Write one record and make it durable before returning. ``durable=False``: hand it
+        to the OS only, for a record no action waits on; the next durable append's fsync
+        makes it durable too (one file: fsync flushes every write before it)."""
         self._file.write(encode_record(record))
-        self._sync()
+        if durable:
+            self._sync()
+        else:
+            self._file.flush()
         self.appended += 1
 
     def _sync(self) -> None:

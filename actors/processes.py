@@ -12,19 +12,21 @@ Controller stays in the job's process.)
                    training, layout, rendezvous_dir, resume=None, checkpoint_dir=None,
                    trainer_restart=None, controller=None)
     ControllerSpec: what a Controller process is built from (JSON), .control() -> Control
+    pin_to_cores(cores)     pins the calling process's threads (a pinned device's children)
     controller_process(name, *, directory, deployment, spec)   its child factory
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from pivot.accelerator import GpuLayout
+from pivot.accelerator import GpuLayout, device_cores
 from pivot.actors.assembly import AgentStart, ChildProcess, Control, build_controller
 from pivot.actors.controller import Controller, ControllerSettings, open_journal
 from pivot.bus import Bus, Directory, RestartPolicy
@@ -38,6 +40,15 @@ from pivot.training import TrainingSettings
 #: An agent process imports torch and loads one engine per role: seconds, more under load.
 AGENT_READY_TIMEOUT_S = 180.0
 CONTROLLER_READY_TIMEOUT_S = 60.0
+
+
+def pin_to_cores(cores: list[int]) -> None:
+    """Pin every thread of this process, and so every thread it starts, to ``cores``."""
+    for tid in os.listdir("/proc/self/task"):  # sched_setaffinity(0) moves only the caller
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except ProcessLookupError:
+            pass  # a thread that ended meanwhile
 
 
 class ControllerSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -103,6 +114,10 @@ class ProcessBackend:
     group's restart policy (None: a rank that dies stops the job). ``layout``: the
     accelerator, each job device's GPU, the job devices of the trainer's ranks and each
     agent's SGLang memory share (``JobConfig.layout``). ``dtype``: ``model.dtype``.
+    ``pin_cores``: on ``cpu``, each device's agent and trainer rank run on that device's share
+    of the cores this process may use (``pivot.accelerator.device_cores`` over ``devices``
+    devices), with one torch thread per core of it; the Controller and the job's own process
+    are not pinned.
     """
 
     def __init__(
@@ -124,7 +139,11 @@ class ProcessBackend:
         checkpoint_dir: Path | None = None,
         trainer_restart: RestartPolicy | None = None,
         controller: ControllerSpec | None = None,
+        pin_cores: bool = False,
+        devices: int | None = None,
     ) -> None:
+        if pin_cores and devices is None:
+            raise ValueError("pin_cores needs the job's device count (devices)")
         self.directory = directory
         self.checkpoints = dict(checkpoints)
         self.store = store
@@ -141,6 +160,19 @@ class ProcessBackend:
         self.checkpoint_dir = checkpoint_dir
         self.trainer_restart = trainer_restart
         self.controller_spec = controller
+        self._cores = (
+            sorted(os.sched_getaffinity(0)) if pin_cores and layout.accelerator == "cpu" else None
+        )
+        self.devices = devices
+
+    def cores(self, device: int) -> list[int] | None:
+        """The cores ``device``'s processes are pinned to (None: not pinned)."""
+        if self._cores is None or self.devices is None:
+            return None
+        return list(device_cores(device, self.devices, self._cores))
+
+    def _threads(self, cores: list[int] | None) -> int:
+        return len(cores) if cores else self.threads
 
     def router(self, role: Role) -> Router:
         return self._router(role)
@@ -163,6 +195,8 @@ class ProcessBackend:
         )
 
     def agent(self, agent: AgentStart) -> ChildProcess:
+        cores = self.cores(agent.device)
+        threads = self._threads(cores)
         return ChildProcess(
             target="pivot.actors.agent:torch_agent",
             kwargs={
@@ -180,10 +214,11 @@ class ProcessBackend:
                 "gpu": self.layout.gpu(agent.device),
                 "mem_fraction": self.layout.mem_fraction.get(agent.device),
                 "dtype": self.dtype,
-                "threads": self.threads,
+                "threads": threads,
                 "seed": self.seed * 1000 + agent.device,
+                "cores": cores,
             },
-            env={"OMP_NUM_THREADS": str(self.threads)},
+            env={"OMP_NUM_THREADS": str(threads)},
             ready_timeout=AGENT_READY_TIMEOUT_S,
         )
 
@@ -192,7 +227,8 @@ class ProcessBackend:
     ) -> list[tuple[str, ChildProcess]]:
         from pivot.actors.trainer_deepspeed import trainer_group
 
-        del deployment  # the layout's trainer ranks are its trainer devices, one per GPU
+        # the layout's trainer ranks are its trainer devices, one per GPU
+        cores = [self.cores(d) for d in self.layout.trainer_devices]
         return trainer_group(
             name,
             directory=self.directory,
@@ -204,7 +240,8 @@ class ProcessBackend:
             run_dir=self.rendezvous_dir,
             store_name=self.store,
             settings=self.training,
-            threads=self.threads,
+            threads=self._threads(cores[0]) if cores else self.threads,
+            cores=cores if self._cores is not None else None,
             controller=controller,
             resume=self.resume,
             checkpoints=self.checkpoint_dir,

@@ -835,10 +835,11 @@ def trainer_rank(
     accelerator: str = "cpu",
     gpu: int | None = None,
     dtype: str = "float32",
+    cores: list[int] | None = None,
 ) -> Actor:
     """Factory for ``Supervisor.add_process``: rank ``rank`` of a trainer group training the
     Hugging Face checkpoint ``checkpoint`` (on ``accelerator``; on CUDA on GPU ``gpu``, in
-    ``dtype``). Rank 0 returns the ``Trainer`` (and, with
+    ``dtype``; on ``cores`` when pinned). Rank 0 returns the ``Trainer`` (and, with
     ``store_name``, creates the GPS store of that name and writes every version there);
     the others return a ``TrainerFollower``. ``settings``: a ``TrainingSettings`` as a dict.
     ``controller``: the actor to tell when a batch waits for the lent pool (see ``Trainer``)."""
@@ -861,6 +862,7 @@ def trainer_rank(
             accelerator=accelerator,
             gpu=gpu,
             dtype=dtype,
+            cores=cores,
         )
 
 
@@ -896,9 +898,14 @@ def _trainer_rank(
     accelerator: str,
     gpu: int | None,
     dtype: str,
+    cores: list[int] | None = None,
 ) -> Actor:
     from pivot.accelerator import dist_backend
 
+    if cores:  # this rank's device's share of the host's cores
+        from pivot.actors.processes import pin_to_cores
+
+        pin_to_cores(cores)
     torch.set_num_threads(threads)
     training = convert(settings or {}, TrainingSettings, "trainer settings")
     if accelerator == "cuda":  # before the group: NCCL binds each rank to the current device
@@ -983,6 +990,7 @@ def trainer_group(
     accelerator: str = "cpu",
     gpus: Sequence[int] | None = None,
     dtype: str = "float32",
+    cores: Sequence[Sequence[int] | None] | None = None,
 ) -> list[tuple[str, ChildProcess]]:
     """The child processes of every rank of a trainer group, by actor name (``trainer_names``,
     each of which ``directory`` must hold), in the order to supervise them.
@@ -999,7 +1007,8 @@ def trainer_group(
     from; ``checkpoint`` is then that checkpoint's ``policy/``. ``checkpoints``: the run's
     checkpoints folder, where a restarted group looks for the last complete one.
     ``accelerator``: ``cpu``, or ``cuda`` with rank r on GPU ``gpus[r]`` (default: GPU r), in
-    ``dtype`` (``model.dtype``).
+    ``dtype`` (``model.dtype``). ``cores``: per rank, the CPU cores it is pinned to (None:
+    not pinned).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, found {world_size}")
@@ -1035,6 +1044,7 @@ def trainer_group(
                     "accelerator": accelerator,
                     "gpu": (list(gpus)[rank] if gpus else rank) if accelerator == "cuda" else None,
                     "dtype": dtype,
+                    "cores": list(cores[rank]) if cores and cores[rank] else None,
                 },
                 env=env,
                 ready_timeout=ready_timeout,

@@ -14,6 +14,9 @@ the other, and reports (medians):
   engine's prefill of prompt + partial output): the seed's Table 3 columns.
 * ``samples_per_s``: samples scored and trained per second over the steps (startup
   excluded), per deployment.
+* ``pivot_vs_best``: pivot's samples/s over the best static baseline's (null unless both
+  ran), and ``best_baseline``, which one that was.
+* ``pin_cores``: whether every deployment ran pinned (``cluster.pin_cores``).
 
 A key with no observation (e.g. no sequence migrated) is null.
 """
@@ -63,10 +66,23 @@ def migration_medians(migrations: list[MigrationTiming]) -> dict[str, float | No
     }
 
 
+def versus_best(runs: dict[str, DeploymentRun]) -> dict[str, float | str | None]:
+    """Pivot's samples/s over the best baseline's, and which baseline that was."""
+    baselines = {k: r.samples_per_s for k, r in runs.items() if k != DeploymentKind.PIVOT.value}
+    pivot = runs.get(DeploymentKind.PIVOT.value)
+    if pivot is None or not baselines or max(baselines.values()) <= 0:
+        return {"pivot_vs_best": None, "best_baseline": None}
+    best = max(baselines, key=baselines.__getitem__)
+    return {"pivot_vs_best": round(pivot.samples_per_s / baselines[best], 3), "best_baseline": best}
+
+
 class DeploymentRun:
     """One deployment's run of the job: throughput, shifts and migrations."""
 
-    def __init__(self, kind: str, reports, shifts, migrations, wall_s: float) -> None:  # noqa: ANN001
+    def __init__(  # noqa: ANN001
+        self, kind: str, reports, shifts, migrations, wall_s: float, pin_cores: bool = False
+    ) -> None:
+        self.pin_cores = pin_cores
         self.kind = kind
         self.reports = reports
         self.shifts = shifts
@@ -82,13 +98,22 @@ class DeploymentRun:
         return sum(r.samples for r in self.reports) / max(seconds, 1e-9)
 
 
-def run_deployment(config: str, kind: str, steps: int, seed: int | None, root: Path):
+def run_deployment(
+    config: str,
+    kind: str,
+    steps: int,
+    seed: int | None,
+    root: Path,
+    overrides: list[str] | None = None,
+):
     from rich.console import Console
 
     from pivot.bus import run_real
     from pivot.cli.run import Job, logs_to, prepare
 
-    job, policy, genrm, inputs = prepare(config, seed=seed, deployment=kind, steps=steps)
+    job, policy, genrm, inputs = prepare(
+        config, overrides=overrides or [], seed=seed, deployment=kind, steps=steps
+    )
     run_dir = root / kind
     run_dir.mkdir(parents=True, exist_ok=True)
     runner = Job(job, policy, genrm, inputs, run_dir, Console(file=io.StringIO()))
@@ -96,22 +121,35 @@ def run_deployment(config: str, kind: str, steps: int, seed: int | None, root: P
     with logs_to(run_dir / "actors.log"):
         reports, monitor = run_real(runner.run())
     migrations = [m for s in runner.assembly.schedulers.values() for m in s.migrations]
-    return DeploymentRun(kind, reports, monitor.shifts, migrations, time.perf_counter() - started)
+    return DeploymentRun(
+        kind,
+        reports,
+        monitor.shifts,
+        migrations,
+        time.perf_counter() - started,
+        pin_cores=job.cluster.pin_cores,
+    )
 
 
 def main(args: argparse.Namespace) -> int:
     kinds = args.deployments or list(DEPLOYMENTS)
+    # every deployment runs under the same pinning
+    overrides = [] if args.pin_cores is None else [f"cluster.pin_cores={args.pin_cores}"]
     root = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="pivot-bench-"))
     runs: dict[str, DeploymentRun] = {}
+    pinned = None
     for kind in kinds:
         if not args.json:
             print(f"running {kind} ({args.steps} steps) ...", flush=True)
-        runs[kind] = run_deployment(args.config, kind, args.steps, args.seed, root)
+        runs[kind] = run_deployment(args.config, kind, args.steps, args.seed, root, overrides)
+        pinned = runs[kind].pin_cores
     pivot_run = runs.get("pivot")
     result = {
         "shift_s": shift_medians(pivot_run.shifts if pivot_run else []),
         "migration_s": migration_medians(pivot_run.migrations if pivot_run else []),
         "samples_per_s": {k: round(r.samples_per_s, 3) for k, r in runs.items()},
+        **versus_best(runs),
+        "pin_cores": pinned,
     }
     if args.json:
         print(json.dumps(result))
@@ -132,7 +170,7 @@ def main(args: argparse.Namespace) -> int:
         print("per migrated sequence (median)")
         for key, v in result["migration_s"].items():
             print(f"  {key:10s} {fmt(v)}")
-    print("throughput (samples/s over the steps, startup excluded)")
+    print(f"throughput (samples/s over the steps, startup excluded; pinned: {pinned})")
     base = runs["pivot"].samples_per_s if pivot_run else None
     for kind, r in runs.items():
         ratio = f"  pivot {base / r.samples_per_s:4.2f}x" if base and kind != "pivot" else ""
@@ -154,6 +192,17 @@ def add_parser(bench_sub) -> None:  # noqa: ANN001 - argparse's private subparse
         help="which deployments (default all four)",
     )
     p.add_argument("--seed", type=int, default=None)
+    pin = p.add_mutually_exclusive_group()
+    pin.add_argument(
+        "--pin-cores",
+        dest="pin_cores",
+        action="store_const",
+        const="true",
+        default=None,
+        help="pin each device to its share of the cores, for every deployment "
+        "(cluster.pin_cores; default: the config's)",
+    )
+    pin.add_argument("--no-pin-cores", dest="pin_cores", action="store_const", const="false")
     p.add_argument("--run-dir", default=None, help="where each deployment's run dir goes")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=main)

@@ -213,6 +213,8 @@ class Job:
             layout=self.layout,
             dtype=self.job.model.dtype,
             threads=self.job.cluster.threads_per_device,
+            pin_cores=self.job.cluster.pin_cores,
+            devices=self.job.cluster.devices,
             seed=self.job.seed,
             training=self.job.training,
             rendezvous_dir=self.sockets,

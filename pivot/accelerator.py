@@ -4,7 +4,8 @@ the trainer's ranks and each SGLang engine's share of its GPU, and that says why
 cannot run a config that names CUDA. Pure: the host's facts (whether CUDA is available, how
 many GPUs) are arguments, so the caller asks torch once.
 
-On ``cpu`` a job device is a process pinned to its threads; on ``cuda`` it runs on one GPU,
+On ``cpu`` a job device is a process pinned to its threads, and with ``cluster.pin_cores``
+to its own share of the host's cores (``device_cores``); on ``cuda`` it runs on one GPU,
 by index (``cuda:N``): GPU N for job device N, or ``cluster.gpus[N]``, which may name one GPU
 for several job devices (colocation, as verl and slime colocate rollout and training on the
 same GPUs). The torch engine and each trainer rank use one GPU; SGLang may span several
@@ -139,6 +140,24 @@ def torch_device(accelerator: str, gpu: int | None) -> str:
     if accelerator == "cuda":
         return f"cuda:{gpu or 0}"
     return "cpu"
+
+
+def device_cores(device: int, devices: int, cores: Sequence[int]) -> tuple[int, ...]:
+    """The cores job device ``device`` (of ``devices``) is pinned to: its disjoint, contiguous
+    share of ``cores`` (the host's usable cores, in order). With at least as many cores as
+    devices each device gets ``len(cores) // devices`` of them (the remainder serve no device);
+    with fewer, ``devices // len(cores)`` neighbouring devices share each core (device d on core
+    ``d * len(cores) // devices``): 4 devices on 2 cores are devices 0-1 on the first core and
+    2-3 on the second, so a device is half a core whose neighbour gets it whole while idle."""
+    if not 0 <= device < devices:
+        raise ValueError(f"device {device} is not one of {devices} devices")
+    if not cores:
+        raise ValueError("no cores to pin devices to")
+    n = len(cores)
+    if n >= devices:
+        each = n // devices
+        return tuple(cores[device * each : (device + 1) * each])
+    return (cores[device * n // devices],)
 
 
 def dist_backend(accelerator: str) -> str:

@@ -60,6 +60,9 @@ class ClusterSection(ConfigStruct):
     threads_per_device: PositiveInt = 1
     trainer_devices: PositiveInt = 2
     trainer_gpu_fraction: Fraction = TRAINER_GPU_FRACTION
+    # cpu: pin each device's processes (its agent, its trainer rank) to its own share of this
+    # host's cores, with as many torch threads as it has cores (pivot.accelerator.device_cores)
+    pin_cores: bool = False
 
 
 class DeploymentSection(ConfigStruct):
@@ -298,6 +301,13 @@ class JobConfig(ConfigStruct):
                 "model.dtype",
                 "'float32' on CPU (bfloat16 needs cluster.accelerator = 'cuda')",
                 f"{self.model.dtype!r}",
+            )
+        if c.pin_cores and c.accelerator != "cpu":
+            raise ConfigError(
+                source,
+                "cluster.pin_cores",
+                "false on CUDA (a device is a GPU there; pinning shares CPU cores)",
+                "true",
             )
         self._check_reward(source)
         judged = self.reward.kind == "genrm"

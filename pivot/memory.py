@@ -8,7 +8,7 @@ as the engines and the trainer run them:
 
 * an agent, per role whose engine it keeps: the weights (4 bytes a parameter; a rollout
   engine also keeps the checkpoint's tensors and a buffer to read new versions into, two more
-  copies) and the KV cache the engine allocates whole at start, ``max_running`` sequences of
+  copies; a GenRM engine its checkpoint's tensors, one more) and the KV cache the engine allocates whole at start, ``max_running`` sequences of
   the model's ``max_position_embeddings`` positions, ``layers x 2 (k, v) x kv_heads x
   head_dim`` values each; and once, for the role with the largest, the activations of a
   prefill of ``max_running`` full-length sequences;
@@ -56,6 +56,9 @@ STORE_COPIES = 5
 #: Copies of a rollout engine's weights beyond the engine's own: the checkpoint's tensors (the
 #: shape new versions are read into) and the buffers they are read into.
 ROLLOUT_WEIGHT_COPIES = 2
+#: ... and of a GenRM engine's: its checkpoint's tensors, kept to load at every shift to reward
+#: (``CheckpointWeights(keep=True)``, on CPU).
+REWARD_WEIGHT_COPIES = 1
 
 
 class MemoryEstimate(msgspec.Struct, frozen=True):
@@ -130,7 +133,7 @@ def estimate_memory(job: JobConfig, models: Mapping[Role, ModelShape]) -> Memory
         roles = [r for r in deployment.engine_roles(device) if r in models]
         for role in roles:
             model = models[role]
-            copies = 1 + (ROLLOUT_WEIGHT_COPIES if role is Role.ROLLOUT else 0)
+            copies = 1 + (ROLLOUT_WEIGHT_COPIES if role is Role.ROLLOUT else REWARD_WEIGHT_COPIES)
             parts["inference weights"] += copies * model.parameters * FP32
             parts["KV caches"] += kv_cache_bytes(model, max_running)
         if roles:

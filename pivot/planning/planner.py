@@ -20,6 +20,8 @@ Gates: one shift at a time, a cooldown after each action, immunity of newly woke
 from eviction, at most ``max_moves_per_action`` wakes per plan. Training moves as a whole and
 ahead of everything else: a waiting trainer lends its pool, a ready one takes it all back, and
 so does a waiting one whose batch is forecast ready within the time the reclaim takes.
+With ``lending.learn`` the Planner also times steps with the pool lent and kept
+(``pivot.planning.lending``) and stops lending where lending does not pay.
 
 The ``Planner`` refits each inference role's cost model online from measured decode
 iterations (``cost.OnlineCostModel``), so that a wrong prior converges to what its replicas
@@ -34,6 +36,7 @@ import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
+import msgspec
 import numpy as np
 
 from pivot.cluster import (
@@ -61,6 +64,7 @@ from pivot.planning.evaluation import (
     objective,
     simulate_role,
 )
+from pivot.planning.lending import LendingLedger, LendingSettings
 from pivot.planning.plans import (
     TRAINER_ID,
     CandidateScore,
@@ -105,6 +109,8 @@ class PlannerSettings(ConfigStruct, kw_only=True):
     # rule-based policy: KV-cache pressure thresholds
     kv_high: PositiveFloat = 0.8
     kv_low: NonNegativeFloat = 0.1
+    # learning online whether lending the trainer pool pays here (pivot.planning.lending)
+    lending: LendingSettings = msgspec.field(default_factory=LendingSettings)
 
 
 class _Phases:
@@ -589,6 +595,7 @@ class Planner:
         self._refit_at: dict[Role, float] = {}
         for role in INFERENCE_ROLES:
             self.set_cost_model(role, self.cost_models[role])
+        self.lending = LendingLedger(self.settings.lending)
 
     def set_cost_model(self, role: Role, model: CostModel) -> None:
         self.cost_models[role] = model
@@ -632,13 +639,18 @@ class Planner:
             self.last_action_at = shifts[-1].started_at
 
     def decide(self, snapshot: ClusterSnapshot) -> Decision:
-        if self.settings.refit:
+        settings = self.settings
+        if settings.refit:
             self._refit(snapshot.now)
+        if settings.lending.learn:
+            self.lending.observe(snapshot)
+            if not self.lending.lending and settings.lend_trainer_pool:
+                settings = msgspec.structs.replace(settings, lend_trainer_pool=False)
         decision = plan_shift(
             self.spec,
             snapshot,
             self.cost_models,
-            settings=self.settings,
+            settings=settings,
             routers=self.routers,
             migrate_time_s=self.migrate_time_s,
             last_action_at=self.last_action_at,

@@ -184,10 +184,10 @@ class CrashingJournal(Journal):
         super().__init__(path, type_=ShiftRecord, fsync=False)
         self.before, self.after = before, after
 
-    def append(self, record) -> None:
+    def append(self, record, *, durable: bool = True) -> None:
         if self.before == self.appended + 1:
             raise Killed(f"before record {self.before}")
-        super().append(record)
+        super().append(record, durable=durable)
         if self.after == self.appended:
             raise Killed(f"after record {self.after}")
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
 from pivot.actors.scheduler import MigrationTiming
-from pivot.cli.bench_shift import migration_medians, shift_medians
+from pivot.cli.bench_shift import migration_medians, shift_medians, versus_best
 from pivot.timeline import ShiftMark
 
 
@@ -43,6 +44,16 @@ def test_migration_medians_per_sequence():
     )
 
 
+def test_pivot_is_compared_with_the_best_baseline():
+    runs = {k: SimpleNamespace(samples_per_s=v) for k, v in PER_S.items()}
+    assert versus_best(runs) == {"pivot_vs_best": 1.2, "best_baseline": "rr-colocated"}
+    del runs["pivot"]
+    assert versus_best(runs) == {"pivot_vs_best": None, "best_baseline": None}
+
+
+PER_S = {"pivot": 120.0, "colocated": 90.0, "rr-colocated": 100.0, "disaggregated": 80.0}
+
+
 def test_bench_shift_runs_the_time_sharing_baselines(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "pivot.cli.main", "bench", "shift", "--steps", "2", "--json"]
@@ -53,7 +64,15 @@ def test_bench_shift_runs_the_time_sharing_baselines(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert set(result) == {"shift_s", "migration_s", "samples_per_s"}
+    assert set(result) == {
+        "shift_s",
+        "migration_s",
+        "samples_per_s",
+        "pivot_vs_best",
+        "best_baseline",
+        "pin_cores",
+    }
+    assert result["pivot_vs_best"] is None and result["pin_cores"] is False  # pivot did not run
     assert set(result["samples_per_s"]) == {"colocated", "rr-colocated"}
     assert all(v > 0 for v in result["samples_per_s"].values())
     # both switched stages every step: rollout -> reward (and colocated: -> training) and back

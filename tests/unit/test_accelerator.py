@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from pivot.accelerator import cuda_missing, dist_backend, place, torch_device
+from pivot.accelerator import cuda_missing, device_cores, dist_backend, place, torch_device
 from pivot.config import ConfigError, decode_toml
 from pivot.job import JobConfig
 
@@ -19,6 +19,19 @@ def test_a_job_device_is_a_gpu_index_on_cuda_and_the_host_on_cpu():
     assert torch_device("cpu", 3) == "cpu"
     assert torch_device("cuda", 3) == "cuda:3"
     assert torch_device("cuda", None) == "cuda:0"
+
+
+def test_pinned_devices_get_disjoint_contiguous_shares_of_the_cores():
+    # fewer cores than devices: neighbours share a core
+    assert [device_cores(d, 4, [0, 1]) for d in range(4)] == [(0,), (0,), (1,), (1,)]
+    # more: each device its own block, the remainder unused; the host's core ids are kept
+    assert [device_cores(d, 2, [2, 3, 5, 7, 9]) for d in range(2)] == [(2, 3), (5, 7)]
+    with pytest.raises(ValueError, match="device 4 is not one of 4"):
+        device_cores(4, 4, [0, 1])
+    gpu = decode_toml('[cluster]\naccelerator = "cuda"\npin_cores = true\n', JobConfig, "j.toml")
+    with pytest.raises(ConfigError) as err:
+        gpu.validate("j.toml")
+    assert err.value.key == "cluster.pin_cores"
 
 
 def test_the_trainer_group_is_nccl_on_cuda_and_gloo_on_cpu():

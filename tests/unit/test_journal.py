@@ -138,6 +138,15 @@ def test_journal_file_appends_and_replays(tmp_path):
     assert decode_records(path.read_bytes()).records == [{"n": 1}, {"n": 2}, {"n": 3}]
 
 
+def test_a_record_no_action_waits_on_is_written_in_order_without_its_own_fsync(tmp_path):
+    path = tmp_path / "journal"
+    with Journal(path) as journal:
+        journal.append({"n": 1}, durable=False)
+        assert journal.replay().records == [{"n": 1}]  # handed to the OS already
+        journal.append({"n": 2})
+    assert decode_records(path.read_bytes()).records == [{"n": 1}, {"n": 2}]
+
+
 def test_reopening_cuts_a_torn_tail_so_new_records_are_readable(tmp_path):
     path = tmp_path / "journal"
     with Journal(path) as journal:

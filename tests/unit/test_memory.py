@@ -59,8 +59,9 @@ def test_each_part_of_the_estimate_by_hand() -> None:
     estimate = estimate_memory(_job(), {Role.ROLLOUT: POLICY, Role.REWARD: GENRM})
     assert estimate.parts == {
         "process runtimes": MAIN_RUNTIME + 2 * AGENT_RUNTIME + TRAINER_RUNTIME,
-        # rollout: its engine, the checkpoint's tensors, the read buffers; the GenRM: its engine
-        "inference weights": 3 * 1000 * 4 + 500 * 4,
+        # rollout: its engine, the checkpoint's tensors, the read buffers; the GenRM: its
+        # engine and its checkpoint's tensors (kept for shifts to reward)
+        "inference weights": 3 * 1000 * 4 + 2 * 500 * 4,
         # max_running 3 x positions x (layers x k,v x kv_heads x head_dim x 4 bytes)
         "KV caches": 3 * 16 * (2 * 2 * 1 * 4 * 4) + 3 * 8 * (1 * 2 * 2 * 4 * 4),
         # 3 x positions tokens x (2 hidden + q,k,v + 2 intermediate + heads x positions + vocab)

@@ -331,6 +331,16 @@ def test_release_and_resume_kv_cache(folder):
     assert generate(engine, [p], GREEDY)[0].token_ids == run_alone(folder, p, GREEDY).token_ids
 
 
+def test_a_host_engine_resumes_into_the_tensors_it_released(folder):
+    engine = TorchEngine.from_pretrained(folder)
+    weights, kv = engine._weights, engine._k.data_ptr()
+    engine.release(["transient", "weights"])
+    engine.resume(["transient", "weights"])
+    # no fresh pages: the same storage (the values are reloaded before serving)
+    assert engine._weights is weights and engine._k.data_ptr() == kv
+    assert not engine.stats().weights_ready
+
+
 def test_release_rejects_persistent_and_unknown_kinds(folder):
     engine = TorchEngine.from_pretrained(folder)
     with pytest.raises(ValueError, match="persistent"):
