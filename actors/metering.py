@@ -54,15 +54,15 @@ class DeviceMeter:
             self.ledger.hold(devices, holder, at)
 
     def on_segment(self, agent: Any, start: float, out: Any) -> None:
-        running, prefill_s, reprefill_s = agent.engine.last_shape
+        last = agent.engine.last_segment
         self.ledger.segment(
             agent.devices,
             agent.role.value,
             start,
             start + out.cost_s,
-            running,
-            prefill_s,
-            reprefill_s,
+            last.running,
+            last.prefill_s,
+            last.reprefill_s,
         )
 
     def on_shift_event(self, msg: object) -> None:

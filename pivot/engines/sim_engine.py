@@ -43,6 +43,7 @@ import random
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import msgspec
 
@@ -128,6 +129,17 @@ class _Plan:
     until_event: int  # iterations until (and including) the next finish or KV limit
 
 
+class LastSegment(NamedTuple):
+    """One step call: its batch, its seconds of prefill (of which re-prefill), and its last
+    decode iteration's KV tokens and latency without prefill."""
+
+    running: int = 0
+    prefill_s: float = 0.0
+    reprefill_s: float = 0.0
+    last_kv_tokens: int = 0
+    last_decode_s: float = 0.0
+
+
 class SimInferenceEngine:
     """One inference replica in virtual time (see the module docstring).
 
@@ -198,11 +210,10 @@ class SimInferenceEngine:
         self._preemptions = 0
         self._busy_s = 0.0
         self._last_step_s = 0.0
-        self._decode: tuple[int, int, float] = (0, 0, 0.0)  # the last iteration's, see stats()
         self._mean_step_s = 0.0
-        # the last step call's batch and seconds of prefill, of which re-prefill: what a time
-        # account reads (``pivot.account``)
-        self.last_shape: tuple[int, float, float] = (0, 0.0, 0.0)
+        # the last step call's shape: what a time account (``pivot.account``) and the decode
+        # sample of ``stats()`` (the planner's online refit) read
+        self.last_segment = LastSegment()
         self.weights_version = weights_version
         # a simulated engine holds nothing to free or allocate, and starts serving, like one
         # built loaded
@@ -462,8 +473,7 @@ class SimInferenceEngine:
             decode *= factor
             prefill_s *= factor
             reprefill_s *= factor
-        self.last_shape = (r, prefill_s, reprefill_s)
-        self._decode = (r, last_tokens, decode)
+        self.last_segment = LastSegment(r, prefill_s, reprefill_s, last_tokens, decode)
         events: tuple[TokenEvent, ...] = ()
         if k == 1 and self.token_events:
             events = tuple(TokenEvent(i, DUMMY_TOKEN, DUMMY_LOGPROB) for i in self._running)
@@ -523,9 +533,9 @@ class SimInferenceEngine:
             weights_version=self.weights_version,
             released=self._context.released_kinds(),
             weights_ready=self._context.weights_ready,
-            decode_running=self._decode[0],
-            decode_tokens=self._decode[1],
-            decode_itl_s=self._decode[2],
+            decode_running=self.last_segment.running,
+            decode_tokens=self.last_segment.last_kv_tokens,
+            decode_itl_s=self.last_segment.last_decode_s,
         )
 
     @property
