@@ -13,7 +13,10 @@ Controller that crashed anywhere can send the commands of the first unrecorded p
 
 What each phase does, for evicted replicas E and woken replicas W:
 
-* routing_cut: the scheduler of each inference replica in E stops routing to it (CutRoute).
+* routing_cut: with several inference replicas in E, each one's scheduler stops routing to
+  it (CutRoute), so that the sequences one hands back are not routed to another about to
+  go; a lone victim needs no cut of its own (its abort's RemoveReplica cuts it first), which
+  spares the shift a round trip.
 * aborted: the scheduler drops the replica: the agent aborts its sequences, which go back to
   the front of the queue with their partial output (EvacuateReplica).
 * released: the agents of E's devices drop their role's transient and weights context
@@ -272,7 +275,9 @@ class ShiftTransaction:
         plan = self.plan
         out: list[ShiftCommand] = []
         if phase is Phase.ROUTING_CUT:
-            out = [CutRoute(m.role, m.replica_id) for m in self._inference_evictions()]
+            victims = self._inference_evictions()
+            if len(victims) > 1:
+                out = [CutRoute(m.role, m.replica_id) for m in victims]
         elif phase is Phase.ABORTED:
             out = [EvacuateReplica(m.role, m.replica_id) for m in self._inference_evictions()]
         elif phase is Phase.RELEASED:

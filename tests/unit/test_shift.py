@@ -139,6 +139,21 @@ def test_phases_run_in_order_with_their_commands():
         txn.advance(at=3.0)
 
 
+def test_a_lone_victim_is_cut_by_its_abort():
+    plan = ShiftPlan(
+        kind="shift", receiver=W, moves=(evict("rollout@1", R, 1), wake("reward@1", W, 1))
+    )
+    txn, _ = ShiftTransaction.begin(1, plan, at=0.0)
+    assert txn.pending() == []  # (RemoveReplica cuts routing before it evacuates)
+    assert txn.advance(at=0.0).phase is Phase.ROUTING_CUT
+    assert txn.pending() == [EvacuateReplica(R, "rollout@1")]
+    # rolled back from there, its route is restored all the same (a no-op if never cut)
+    assert recover([ShiftPlanned(txn=1, at=0.0, plan=plan)]).unfinished.rollback_commands() == [
+        RestoreRoute(R, "rollout@1"),
+        JoinScheduler(1, R, "rollout@1"),
+    ]
+
+
 def test_a_phase_is_not_entered_while_a_command_is_pending():
     txn, _ = ShiftTransaction.begin(1, SHIFT, at=0.0)
     first, second = txn.pending()
