@@ -445,7 +445,7 @@ class RoleAgent(Actor):
         self.log.info("released", replica=msg.replica)
         return self.state()
 
-    @handles
+    @handles(calls_peers=True)  # with ``register``, waits on the scheduler's RegisterReplica
     async def acquire(self, msg: Acquire) -> AgentState:
         async with self._shift_lock:
             return await self._acquire(msg)
