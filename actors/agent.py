@@ -26,7 +26,10 @@ way, so no engine is ever rebuilt. The Controller drives the change (all idempot
   through its ``WeightLoader`` (a GPS ``ParameterReader`` or a checkpoint folder); the other
   devices' agents only record the role (a multi-device engine lives in its leader).
   ``training`` records that the trainer holds the device.
-* ``Register(replica)``: the leader registers with its role's scheduler.
+* ``Register(replica)``: the leader registers with its role's scheduler (an Acquire with
+  ``register`` does that as its last part: one hop to the scheduler instead of another round
+  trip from the Controller; a registration that fails there leaves the replica unregistered,
+  and the reply not ``serving``).
 * ``Describe``: role, replica, devices, weights version, running sequences (recovery).
 
     RoleAgent(name, bus, *, engine=None, role="free", scheduler=None, replica=None,
@@ -95,9 +98,17 @@ from pivot.trajectory import Chunk, add_chunk, chunk_tokens
 #: What a device drops on shift-down and takes back on shift-up (persistent context stays).
 SHIFT_CONTEXT = (ContextKind.TRANSIENT, ContextKind.WEIGHTS)
 
+#: A weights read that copies at most this much runs on the agent's loop instead of a worker
+#: thread: the hop to the thread and back costs two wake-ups, which on a loaded host take
+#: longer than copying a few MB (the tiny policy's 3 MB: ~0.3 ms); a larger read would keep
+#: the agent from answering for too long.
+SMALL_READ_BYTES = 16 << 20
+
 
 class WeightLoader(Protocol):
-    """Where an agent reads a model's weights when it takes a role."""
+    """Where an agent reads a model's weights when it takes a role. A loader may also say
+    ``read_bytes``, how much one read copies (None: not known, e.g. a file to read): a small
+    read runs on the agent's loop (``SMALL_READ_BYTES``)."""
 
     def __call__(self, model: str, min_version: int) -> tuple[NamedTensors, int]:
         """The model's tensors (checkpoint names) and their version (>= ``min_version``)."""
@@ -127,6 +138,11 @@ class CheckpointWeights:
         self.version = version
         self.keep = keep
         self._tensors: NamedTensors | None = tensors if keep else None
+
+    @property
+    def read_bytes(self) -> int | None:
+        """Nothing once kept (the tensors are handed out), else a file read."""
+        return 0 if self._tensors is not None else None
 
     def __call__(self, model: str, min_version: int) -> tuple[NamedTensors, int]:
         from pivot.engines.loading import read_weights
@@ -163,6 +179,8 @@ class StoreWeights:
         self._like = like
         self._buffers: dict[str, Any] | None = None
         self._reader = None
+        # a read copies every tensor into its buffer
+        self.read_bytes = sum(t.numel() * t.element_size() for t in like.values())
 
     def __call__(self, model: str, min_version: int) -> tuple[NamedTensors, int]:
         import torch
@@ -317,7 +335,7 @@ class RoleAgent(Actor):
         if engine is None or loader is None or engine.stats().weights_version >= version:
             return
         model = self.models.get(self.role, "")
-        tensors, got = await self.stepping.call(loader, model, version)
+        tensors, got = await self._read(loader, model, version)
         async with self._engine_lock:
             before = engine.stats().weights_version
             if got != before:
@@ -427,7 +445,7 @@ class RoleAgent(Actor):
         self.log.info("released", replica=msg.replica)
         return self.state()
 
-    @handles
+    @handles(calls_peers=True)  # with ``register``, waits on the scheduler's RegisterReplica
     async def acquire(self, msg: Acquire) -> AgentState:
         async with self._shift_lock:
             return await self._acquire(msg)
@@ -467,7 +485,20 @@ class RoleAgent(Actor):
         self.engine = engine
         self._accepting = False  # until registered
         self.log.info("acquired", role=msg.role.value, replica=msg.replica)
+        if msg.register and engine is not None and self.scheduler is not None:
+            await self._join()
         return self.state()
+
+    async def _join(self) -> None:
+        """Register while acquiring; a failure is the Controller's to retry (with Register)."""
+        await self.stepping.pause(self, "register", self.role)
+        try:
+            await self._register()
+        except BusError as exc:
+            self._accepting = False
+            self.log.warning("registration failed", replica=self.replica, error=repr(exc))
+            return
+        self._work.set()
 
     async def _load(self, engine: InferenceEngine, msg: Acquire) -> None:
         engine.resume(SHIFT_CONTEXT)
@@ -475,11 +506,19 @@ class RoleAgent(Actor):
         if loader is None:
             return  # the engine keeps the weights it was built with (tests, simulation)
         try:
-            tensors, version = await self.stepping.call(loader, msg.model, msg.min_version)
+            tensors, version = await self._read(loader, msg.model, msg.min_version)
             engine.load_weights(tensors, version)
         except BaseException:
             engine.release(SHIFT_CONTEXT)  # back to what a free device holds
             raise
+
+    async def _read(
+        self, loader: WeightLoader, model: str, min_version: int
+    ) -> tuple[NamedTensors, int]:
+        size = getattr(loader, "read_bytes", None)
+        if size is not None and size <= SMALL_READ_BYTES:
+            return loader(model, min_version)
+        return await self.stepping.call(loader, model, min_version)
 
     @handles(calls_peers=True)  # waits on the scheduler's RegisterReplica
     async def register(self, msg: Register) -> AgentState:

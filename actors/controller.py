@@ -117,6 +117,7 @@ from pivot.shift import (
     allocation_problems,
     reconcile,
     recover,
+    registers_on_acquire,
 )
 
 
@@ -490,8 +491,9 @@ class Controller(Actor):
                 results = await asyncio.gather(*(self._send(c) for c in pending))
                 attempt += 1
                 give_up = attempt >= self.settings.give_up_after
-                for command, ok in zip(pending, results, strict=True):
-                    txn.confirm(command, ok, give_up=give_up)
+                for command, reply in zip(pending, results, strict=True):
+                    registered = isinstance(reply, AgentState) and reply.serving
+                    txn.confirm(command, bool(reply), give_up=give_up, registered=registered)
                 if txn.pending():
                     if attempt >= self.settings.command_attempts:
                         raise RetriesExhausted(
@@ -554,8 +556,9 @@ class Controller(Actor):
             self._allocation_changed(now),
         )
 
-    async def _send(self, command: ShiftCommand) -> bool:
-        """Send one command; True when it was carried out (a BusError is a failure)."""
+    async def _send(self, command: ShiftCommand) -> bool | AgentState:
+        """Send one command; truthy when it was carried out (a BusError is a failure): an
+        Acquire's reply, which says whether the replica registered with it, else True."""
         timeout = self.settings.command_timeout_s
         try:
             match command:
@@ -581,7 +584,7 @@ class Controller(Actor):
                         timeout=timeout,
                     )
                 case AcquireDevice(device, role, replica, devices):
-                    await self.request(
+                    return await self.request(
                         self.agents[device],
                         Acquire(
                             role=role,
@@ -589,6 +592,7 @@ class Controller(Actor):
                             devices=list(devices),
                             model=self.models.get(role, ""),
                             scheduler=self.schedulers.get(role),
+                            register=registers_on_acquire(command),
                         ),
                         expect=AgentState,
                         timeout=timeout,

@@ -120,7 +120,9 @@ class Release(RLMessage, kw_only=True):
 class Acquire(RLMessage, kw_only=True):
     """Become part of ``replica`` of ``role`` on ``devices``. The agent of ``devices[0]``
     leads: it resumes its engine for ``role``, loads ``model``'s weights (a version of at
-    least ``min_version``), and will serve for ``scheduler``. Idempotent for the same
+    least ``min_version``), and will serve for ``scheduler``. ``register``: the leader then
+    registers with ``scheduler`` too (``pivot.shift.registers_on_acquire``); the reply's
+    ``serving`` says whether it did (if not, a Register follows). Idempotent for the same
     replica; refused while another is held."""
 
     role: Role
@@ -129,6 +131,7 @@ class Acquire(RLMessage, kw_only=True):
     model: str = ""
     min_version: int = 0
     scheduler: str | None = None
+    register: bool = False
 
 
 class Register(RLMessage, kw_only=True):

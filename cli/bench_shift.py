@@ -1,22 +1,27 @@
 """`pivot bench shift`: what a shift costs in a real job, and what the job gains from it.
 
-Runs the tiny job (the config's, with ``--steps`` steps) once under each deployment, one after
-the other, and reports (medians):
+Runs the tiny job (the config's, with ``--steps`` steps) under each deployment, one after the
+other, ``--rounds`` times (every other round in reverse order, so that a load from outside
+that drifts during the bench weighs on every deployment about alike), and reports (medians):
 
-* ``shift_s``: the pivot run's shifts between rollout and reward, by phase of the journaled
+* ``shift_s``: the pivot runs' shifts between rollout and reward, by phase of the journaled
   transaction: ``release`` (engines release their KV cache and weights), ``gps_read`` (the
   receiving engines resume and Read weights: the policy from GPS, the frozen GenRM from its
-  checkpoint), ``register`` (replicas join their scheduler), ``total`` (plan to done,
-  including cutting routes and evacuating sequences).
+  checkpoint; a one-device replica then registers with its scheduler in the same request),
+  ``register`` (the registered phase: what is left of joining the scheduler, nothing for a
+  one-device replica), ``total`` (plan to done, including cutting routes and evacuating
+  sequences).
 * ``migration_s``: per migrated sequence (one aborted with partial output and re-dispatched),
   ``abort`` (the evacuation or abort request that returned its partial output),
   ``dispatch`` (from then until a replica accepted it) and ``reprefill`` (the receiving
   engine's prefill of prompt + partial output): the seed's Table 3 columns.
-* ``samples_per_s``: samples scored and trained per second over the steps (startup
-  excluded), per deployment.
+* ``samples_per_s``: samples scored and trained per second over the steps after the first
+  ``--warmup`` (start-up and warm-up excluded, as ``pivot simulate`` measures steady state),
+  per deployment: the median over its rounds, each round's in ``samples_per_s_rounds``.
 * ``pivot_vs_best``: pivot's samples/s over the best static baseline's (null unless both
   ran), and ``best_baseline``, which one that was.
-* ``pin_cores``: whether every deployment ran pinned (``cluster.pin_cores``).
+* ``pin_cores``: whether every deployment ran pinned (``cluster.pin_cores``); ``rounds`` and
+  ``warmup_steps`` as run.
 
 A key with no observation (e.g. no sequence migrated) is null.
 """
@@ -27,12 +32,13 @@ import argparse
 import io
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pivot.cli.flags import positive
+from pivot.cli.flags import non_negative, positive
 from pivot.deployment import BASELINES, DeploymentKind
 
 if TYPE_CHECKING:  # the job's modules load torch: only when a bench runs
@@ -77,10 +83,18 @@ def versus_best(runs: dict[str, DeploymentRun]) -> dict[str, float | str | None]
 
 
 class DeploymentRun:
-    """One deployment's run of the job: throughput, shifts and migrations."""
+    """One deployment's run of the job: throughput, shifts and migrations. ``warmup``: the
+    first steps, left out of the throughput."""
 
     def __init__(  # noqa: ANN001
-        self, kind: str, reports, shifts, migrations, wall_s: float, pin_cores: bool = False
+        self,
+        kind: str,
+        reports,
+        shifts,
+        migrations,
+        wall_s: float,
+        pin_cores: bool = False,
+        warmup: int = 0,
     ) -> None:
         self.pin_cores = pin_cores
         self.kind = kind
@@ -88,14 +102,43 @@ class DeploymentRun:
         self.shifts = shifts
         self.migrations = migrations
         self.wall_s = wall_s
+        self.warmup = warmup
 
     @property
     def samples_per_s(self) -> float:
-        if not self.reports:
+        """The measured steps' samples over their window: from the end of the last warm-up
+        step (or the first step's start) to the end of the last step."""
+        measured = self.reports[self.warmup :]
+        if not measured:
             return 0.0
-        first, last = self.reports[0], self.reports[-1]
-        seconds = last.started_s + last.seconds - first.started_s
-        return sum(r.samples for r in self.reports) / max(seconds, 1e-9)
+        if self.warmup:
+            last_warmup = self.reports[self.warmup - 1]
+            begin = last_warmup.started_s + last_warmup.seconds
+        else:
+            begin = measured[0].started_s
+        end = measured[-1].started_s + measured[-1].seconds
+        return sum(r.samples for r in measured) / max(end - begin, 1e-9)
+
+
+class Rounds:
+    """A deployment's runs over the rounds: the median throughput, every round's, and the
+    shifts and migrations of all of them."""
+
+    def __init__(self, runs: list[DeploymentRun]) -> None:
+        self.runs = runs
+        self.kind = runs[0].kind
+        self.pin_cores = runs[0].pin_cores
+        self.each = [r.samples_per_s for r in runs]
+        self.samples_per_s = statistics.median(self.each)
+        self.shifts = [m for r in runs for m in r.shifts]
+        self.migrations = [m for r in runs for m in r.migrations]
+        self.wall_s = sum(r.wall_s for r in runs)
+
+
+def bench_order(kinds: list[str], rounds: int) -> list[tuple[int, str]]:
+    """(round, deployment) in the order they run: every other round reversed (A B C, C B A,
+    A B C, ...), so no deployment always runs first or last."""
+    return [(r, kind) for r in range(rounds) for kind in (kinds if r % 2 == 0 else kinds[::-1])]
 
 
 def run_deployment(
@@ -105,6 +148,8 @@ def run_deployment(
     seed: int | None,
     root: Path,
     overrides: list[str] | None = None,
+    warmup: int = 0,
+    run_dir: Path | None = None,
 ):
     from rich.console import Console
 
@@ -114,7 +159,7 @@ def run_deployment(
     job, policy, genrm, inputs = prepare(
         config, overrides=overrides or [], seed=seed, deployment=kind, steps=steps
     )
-    run_dir = root / kind
+    run_dir = run_dir or root / kind
     run_dir.mkdir(parents=True, exist_ok=True)
     runner = Job(job, policy, genrm, inputs, run_dir, Console(file=io.StringIO()))
     started = time.perf_counter()
@@ -128,28 +173,44 @@ def run_deployment(
         migrations,
         time.perf_counter() - started,
         pin_cores=job.cluster.pin_cores,
+        warmup=warmup,
     )
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.warmup >= args.steps:
+        print(
+            f"pivot bench shift: --warmup {args.warmup} leaves none of --steps {args.steps} "
+            "to measure",
+            file=sys.stderr,
+        )
+        return 2
     kinds = args.deployments or list(DEPLOYMENTS)
     # every deployment runs under the same pinning
     overrides = [] if args.pin_cores is None else [f"cluster.pin_cores={args.pin_cores}"]
     root = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="pivot-bench-"))
-    runs: dict[str, DeploymentRun] = {}
-    pinned = None
-    for kind in kinds:
+    done: dict[str, list[DeploymentRun]] = {kind: [] for kind in kinds}
+    for r, kind in bench_order(kinds, args.rounds):
         if not args.json:
-            print(f"running {kind} ({args.steps} steps) ...", flush=True)
-        runs[kind] = run_deployment(args.config, kind, args.steps, args.seed, root, overrides)
-        pinned = runs[kind].pin_cores
+            print(f"running {kind} ({args.steps} steps, round {r + 1}) ...", flush=True)
+        run_dir = root / (kind if r == 0 else f"{kind}.{r}")
+        done[kind].append(
+            run_deployment(
+                args.config, kind, args.steps, args.seed, root, overrides, args.warmup, run_dir
+            )
+        )
+    runs = {kind: Rounds(done[kind]) for kind in kinds}
+    pinned = runs[kinds[-1]].pin_cores
     pivot_run = runs.get("pivot")
     result = {
         "shift_s": shift_medians(pivot_run.shifts if pivot_run else []),
         "migration_s": migration_medians(pivot_run.migrations if pivot_run else []),
         "samples_per_s": {k: round(r.samples_per_s, 3) for k, r in runs.items()},
+        "samples_per_s_rounds": {k: [round(x, 3) for x in r.each] for k, r in runs.items()},
         **versus_best(runs),
         "pin_cores": pinned,
+        "rounds": args.rounds,
+        "warmup_steps": args.warmup,
     }
     if args.json:
         print(json.dumps(result))
@@ -170,7 +231,10 @@ def main(args: argparse.Namespace) -> int:
         print("per migrated sequence (median)")
         for key, v in result["migration_s"].items():
             print(f"  {key:10s} {fmt(v)}")
-    print(f"throughput (samples/s over the steps, startup excluded; pinned: {pinned})")
+    print(
+        f"throughput (samples/s over the steps after {args.warmup} warm-up, median of "
+        f"{args.rounds} rounds; pinned: {pinned})"
+    )
     base = runs["pivot"].samples_per_s if pivot_run else None
     for kind, r in runs.items():
         ratio = f"  pivot {base / r.samples_per_s:4.2f}x" if base and kind != "pivot" else ""
@@ -190,6 +254,19 @@ def add_parser(bench_sub) -> None:  # noqa: ANN001 - argparse's private subparse
         choices=DEPLOYMENTS,
         default=None,
         help="which deployments (default all four)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=non_negative,
+        default=1,
+        help="first steps of each run left out of samples/s (default 1)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=positive,
+        default=1,
+        help="runs of every deployment, every other round in reverse order; samples/s is "
+        "the median (default 1)",
     )
     p.add_argument("--seed", type=int, default=None)
     pin = p.add_mutually_exclusive_group()

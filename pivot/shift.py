@@ -13,7 +13,10 @@ Controller that crashed anywhere can send the commands of the first unrecorded p
 
 What each phase does, for evicted replicas E and woken replicas W:
 
-* routing_cut: the scheduler of each inference replica in E stops routing to it (CutRoute).
+* routing_cut: with several inference replicas in E, each one's scheduler stops routing to
+  it (CutRoute), so that the sequences one hands back are not routed to another about to
+  go; a lone victim needs no cut of its own (its abort's RemoveReplica cuts it first), which
+  spares the shift a round trip.
 * aborted: the scheduler drops the replica: the agent aborts its sequences, which go back to
   the front of the queue with their partial output (EvacuateReplica).
 * released: the agents of E's devices drop their role's transient and weights context
@@ -21,12 +24,17 @@ What each phase does, for evicted replicas E and woken replicas W:
 * acquired: the agents of W's devices take the new role and load its weights (AcquireDevice);
   a training replica in W means the trainer takes its pool back (ReclaimPool).
 * registered: each new inference replica's leader (its first device's agent) registers with
-  its role's scheduler (JoinScheduler).
+  its role's scheduler (JoinScheduler). A one-device inference wake registers while it
+  acquires (``registers_on_acquire``: the agent goes to its scheduler itself, one hop instead
+  of the Controller's Register round trip); once its reply says so (``confirm(...,
+  registered=True)``) the wake needs no JoinScheduler. Not journaled: a restarted Controller
+  sends JoinScheduler again, which is idempotent.
 * done: the planned rebalancing migrations onto the new replicas (Rebalance, best effort).
 
 A wake whose acquire or registration keeps failing may be given up: its replica is marked
 failed and its devices are released in the same phase, so the shift ends with those devices
-free. Nothing else may be given up; the executor retries it.
+free (a wake that registers on acquire is evacuated from its scheduler too: it may have
+registered before its reply was lost). Nothing else may be given up; the executor retries it.
 
 Recovery (``recover``): replay the journal; an unfinished shift still at ``planned`` or
 ``routing_cut`` rolls back (no sequence was aborted for it yet: routing is restored and any
@@ -40,9 +48,10 @@ and routed to, and the trainer holds its pool exactly when the pool's agents say
 Pure and synchronous: times come in as arguments.
 
     ShiftTransaction.begin(txn, plan, at) -> (txn, ShiftPlanned record)
-    txn.pending() -> [ShiftCommand];  txn.confirm(command, ok, *, give_up=False)
+    txn.pending() -> [ShiftCommand];  txn.confirm(command, ok, *, give_up=False, registered=False)
     txn.advance(at) -> PhaseReached record;  txn.finished;  txn.applied_moves()
     txn.rolls_back;  txn.rollback_commands();  txn.rolled_back(at) -> PhaseReached
+    registers_on_acquire(command) -> bool   the agent registers its replica as it acquires
     recover(records) -> JournalState(unfinished, next_txn, problems)
     reconcile(spec, agents, schedulers, trainer_holds_pool) -> Reconciliation
     allocation_problems(spec, agents, schedulers, trainer_holds_pool) -> [str]
@@ -198,6 +207,14 @@ ShiftCommand = (
 )
 
 
+def registers_on_acquire(command: AcquireDevice) -> bool:
+    """Whether the agent registers the replica with its scheduler as it acquires it: a
+    one-device inference replica, whose acquire is all its wake does before registering (the
+    leader of a larger one waits for the shift's registered phase, so that a follower whose
+    acquire fails leaves no registered leader behind)."""
+    return command.role in INFERENCE_ROLES and command.devices == (command.device,)
+
+
 def may_give_up(command: ShiftCommand) -> bool:
     """Whether a command that keeps failing may be abandoned instead of retried forever."""
     if isinstance(command, AcquireDevice):
@@ -226,6 +243,9 @@ class ShiftTransaction:
         self.phase = phase
         self.failed: set[str] = set(failed)
         self._confirmed: set[ShiftCommand] = set()
+        # wakes registered while acquiring (told by their replies; a recovered shift knows
+        # none and registers them again)
+        self._joined: set[str] = set()
         wake_ids = {m.replica_id for m in plan.wakes}
         unknown = self.failed - wake_ids
         if unknown:
@@ -255,7 +275,9 @@ class ShiftTransaction:
         plan = self.plan
         out: list[ShiftCommand] = []
         if phase is Phase.ROUTING_CUT:
-            out = [CutRoute(m.role, m.replica_id) for m in self._inference_evictions()]
+            victims = self._inference_evictions()
+            if len(victims) > 1:
+                out = [CutRoute(m.role, m.replica_id) for m in victims]
         elif phase is Phase.ABORTED:
             out = [EvacuateReplica(m.role, m.replica_id) for m in self._inference_evictions()]
         elif phase is Phase.RELEASED:
@@ -266,7 +288,7 @@ class ShiftTransaction:
         elif phase is Phase.ACQUIRED:
             for move in plan.wakes:
                 if move.replica_id in self.failed:
-                    out.extend(ReleaseDevice(d, move.replica_id) for d in move.devices)
+                    out.extend(self._undo_wake(move))
                     continue
                 out.extend(
                     AcquireDevice(d, move.role, move.replica_id, move.devices) for d in move.devices
@@ -276,8 +298,8 @@ class ShiftTransaction:
         elif phase is Phase.REGISTERED:
             for move in plan.wakes:
                 if move.replica_id in self.failed:
-                    out.extend(ReleaseDevice(d, move.replica_id) for d in move.devices)
-                elif move.role in INFERENCE_ROLES:
+                    out.extend(self._undo_wake(move))
+                elif move.role in INFERENCE_ROLES and move.replica_id not in self._joined:
                     out.append(JoinScheduler(move.devices[0], move.role, move.replica_id))
         elif phase is Phase.DONE:
             evicted = {m.replica_id for m in plan.evictions}
@@ -292,6 +314,18 @@ class ShiftTransaction:
             raise ShiftError(f"no commands lead to phase {phase.value!r}")
         return out
 
+    @staticmethod
+    def _undo_wake(move: Move) -> list[ShiftCommand]:
+        """What frees the devices of a wake given up: released, and first taken out of its
+        scheduler if it registers on acquire (an Acquire whose reply was lost may have
+        registered it; an unknown replica is a no-op to the scheduler)."""
+        out: list[ShiftCommand] = []
+        leader = AcquireDevice(move.devices[0], move.role, move.replica_id, move.devices)
+        if registers_on_acquire(leader):
+            out.append(EvacuateReplica(move.role, move.replica_id))
+        out.extend(ReleaseDevice(d, move.replica_id) for d in move.devices)
+        return out
+
     def pending(self) -> list[ShiftCommand]:
         """Commands of the next phase not confirmed yet, in a stable order."""
         nxt = self.next_phase()
@@ -299,11 +333,17 @@ class ShiftTransaction:
             return []
         return [c for c in self.commands(nxt) if c not in self._confirmed]
 
-    def confirm(self, command: ShiftCommand, ok: bool, *, give_up: bool = False) -> None:
+    def confirm(
+        self, command: ShiftCommand, ok: bool, *, give_up: bool = False, registered: bool = False
+    ) -> None:
         """Record one reply. A failure is retried, unless ``give_up`` and the command may be
-        given up: then its wake is marked failed (or, for a rebalance, dropped)."""
+        given up: then its wake is marked failed (or, for a rebalance, dropped).
+        ``registered``: the reply to an AcquireDevice that registers on acquire says its
+        replica is registered (its JoinScheduler is not sent)."""
         if ok:
             self._confirmed.add(command)
+            if registered and isinstance(command, AcquireDevice) and registers_on_acquire(command):
+                self._joined.add(command.replica)
             return
         if not (give_up and may_give_up(command)):
             return

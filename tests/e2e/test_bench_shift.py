@@ -11,7 +11,13 @@ from types import SimpleNamespace
 import pytest
 
 from pivot.actors.scheduler import MigrationTiming
-from pivot.cli.bench_shift import migration_medians, shift_medians, versus_best
+from pivot.cli.bench_shift import (
+    DeploymentRun,
+    bench_order,
+    migration_medians,
+    shift_medians,
+    versus_best,
+)
 from pivot.timeline import ShiftMark
 
 
@@ -54,6 +60,21 @@ def test_pivot_is_compared_with_the_best_baseline():
 PER_S = {"pivot": 120.0, "colocated": 90.0, "rr-colocated": 100.0, "disaggregated": 80.0}
 
 
+def test_rounds_alternate_the_order_of_the_deployments():
+    assert bench_order(["a", "b", "c"], 3) == [
+        (0, "a"), (0, "b"), (0, "c"), (1, "c"), (1, "b"), (1, "a"), (2, "a"), (2, "b"), (2, "c")
+    ]  # fmt: skip
+
+
+def test_warmup_steps_are_left_out_of_the_throughput():
+    # a slow first step (start-up), then 10 samples/s
+    steps = [
+        SimpleNamespace(samples=10, started_s=t, seconds=d) for t, d in ((0, 5), (5, 1), (6, 1))
+    ]
+    assert DeploymentRun("pivot", steps, [], [], 0.0, warmup=1).samples_per_s == 10.0
+    assert DeploymentRun("pivot", steps, [], [], 0.0).samples_per_s == pytest.approx(30 / 7)
+
+
 def test_bench_shift_runs_the_time_sharing_baselines(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "pivot.cli.main", "bench", "shift", "--steps", "2", "--json"]
@@ -71,9 +92,14 @@ def test_bench_shift_runs_the_time_sharing_baselines(tmp_path):
         "pivot_vs_best",
         "best_baseline",
         "pin_cores",
+        "samples_per_s_rounds",
+        "rounds",
+        "warmup_steps",
     }
     assert result["pivot_vs_best"] is None and result["pin_cores"] is False  # pivot did not run
     assert set(result["samples_per_s"]) == {"colocated", "rr-colocated"}
+    assert result["rounds"] == 1 and result["warmup_steps"] == 1  # step 1 measured
+    assert result["samples_per_s_rounds"] == {k: [v] for k, v in result["samples_per_s"].items()}
     assert all(v > 0 for v in result["samples_per_s"].values())
     # both switched stages every step: rollout -> reward (and colocated: -> training) and back
     for kind, least in (("colocated", 5), ("rr-colocated", 3)):

@@ -42,6 +42,7 @@ from pivot.shift import (
     may_give_up,
     reconcile,
     recover,
+    registers_on_acquire,
 )
 
 R, W = Role.ROLLOUT, Role.REWARD
@@ -138,6 +139,21 @@ def test_phases_run_in_order_with_their_commands():
         txn.advance(at=3.0)
 
 
+def test_a_lone_victim_is_cut_by_its_abort():
+    plan = ShiftPlan(
+        kind="shift", receiver=W, moves=(evict("rollout@1", R, 1), wake("reward@1", W, 1))
+    )
+    txn, _ = ShiftTransaction.begin(1, plan, at=0.0)
+    assert txn.pending() == []  # (RemoveReplica cuts routing before it evacuates)
+    assert txn.advance(at=0.0).phase is Phase.ROUTING_CUT
+    assert txn.pending() == [EvacuateReplica(R, "rollout@1")]
+    # rolled back from there, its route is restored all the same (a no-op if never cut)
+    assert recover([ShiftPlanned(txn=1, at=0.0, plan=plan)]).unfinished.rollback_commands() == [
+        RestoreRoute(R, "rollout@1"),
+        JoinScheduler(1, R, "rollout@1"),
+    ]
+
+
 def test_a_phase_is_not_entered_while_a_command_is_pending():
     txn, _ = ShiftTransaction.begin(1, SHIFT, at=0.0)
     first, second = txn.pending()
@@ -156,8 +172,10 @@ def test_a_wake_that_keeps_failing_is_given_up_and_its_devices_released():
     records = drive(txn, fail={bad}, give_up=True)
     assert txn.failed == {"reward@2"}
     assert records[3] == PhaseReached(txn=1, phase=Phase.ACQUIRED, at=3.0, failed=("reward@2",))
+    # its Acquire may have registered it before its reply was lost: taken out, then released
     assert txn.commands(Phase.REGISTERED) == [
         JoinScheduler(1, W, "reward@1"),
+        EvacuateReplica(W, "reward@2"),
         ReleaseDevice(2, "reward@2"),
     ]
     # the rebalance onto the failed replica is dropped
@@ -176,6 +194,58 @@ def test_without_give_up_a_failing_wake_is_retried():
     for command in txn.pending():
         txn.confirm(command, command != bad)
     assert txn.pending() == [bad] and txn.failed == set()
+
+
+def _acquired(txn: ShiftTransaction, registered: bool) -> None:
+    """Take ``txn`` through its acquires, each reply saying ``registered``."""
+    while txn.next_phase() is not Phase.ACQUIRED:
+        for command in txn.pending():
+            txn.confirm(command, True)
+        txn.advance(at=0.0)
+    for command in txn.pending():
+        txn.confirm(command, True, registered=registered)
+    txn.advance(at=0.0)
+
+
+def test_a_one_device_wake_registered_on_acquire_sends_no_join():
+    assert registers_on_acquire(AcquireDevice(1, W, "reward@1", (1,)))
+    assert not registers_on_acquire(AcquireDevice(2, W, "reward@2", (2, 3)))
+    assert not registers_on_acquire(AcquireDevice(3, W, "reward@2", (2, 3)))
+    assert not registers_on_acquire(AcquireDevice(2, Role.TRAINING, "trainer", (2,)))
+    txn, _ = ShiftTransaction.begin(1, SHIFT, at=0.0)
+    _acquired(txn, registered=True)
+    assert txn.pending() == []
+    # a registration that failed on acquire (its reply not serving) joins as before
+    txn, _ = ShiftTransaction.begin(1, SHIFT, at=0.0)
+    _acquired(txn, registered=False)
+    assert txn.pending() == [JoinScheduler(1, W, "reward@1"), JoinScheduler(2, W, "reward@2")]
+
+
+def test_a_multi_device_wake_joins_after_every_acquire():
+    plan = ShiftPlan(
+        kind="shift",
+        receiver=W,
+        moves=(evict("rollout@2", R, 2, 3), wake("reward@2", W, 2, 3)),
+    )
+    txn, _ = ShiftTransaction.begin(1, plan, at=0.0)
+    _acquired(txn, registered=True)  # (its leader was not asked to register)
+    assert txn.pending() == [JoinScheduler(2, W, "reward@2")]
+
+
+def test_a_recovered_shift_registers_its_wakes_again():
+    txn, planned = ShiftTransaction.begin(1, SHIFT, at=0.0)
+    records = [planned]
+    while txn.next_phase() is not Phase.REGISTERED:
+        for command in txn.pending():
+            txn.confirm(command, True, registered=True)
+        records.append(txn.advance(at=0.0))
+    assert txn.pending() == []
+    restarted = recover(records).unfinished
+    assert restarted.phase is Phase.ACQUIRED
+    assert restarted.pending() == [
+        JoinScheduler(1, W, "reward@1"),
+        JoinScheduler(2, W, "reward@2"),
+    ]
 
 
 def test_which_commands_may_be_given_up():
