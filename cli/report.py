@@ -1,7 +1,7 @@
 """`pivot report RUN_DIR [-o FILE]`: a run directory as one self-contained HTML file.
 
-It reads what the run left: for `pivot run`, ``metrics.jsonl`` (step records and the
-measured time account of the last start), ``timeline.jsonl`` (throughput samples and
+It reads what the run left: for `pivot run`, ``metrics.jsonl`` (step records),
+``summary.json`` (the measured time account), ``timeline.jsonl`` (throughput samples and
 shifts), ``config.toml``, ``shift.journal``, ``actors.log`` (replicas removed and sequences
 requeued) and ``events.jsonl`` when the job wrote one; for `pivot simulate`, its
 ``metrics.jsonl`` (run, step, sample, shift and train records of every simulated run) and
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import io
 import json
 import statistics
@@ -24,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 REPORT_NAME = "report.html"
-SUMMARY_NAME = "summary.json"  # `pivot simulate`'s printed report, kept in its run dir
+# `pivot simulate`'s printed report, kept in its run dir; `pivot run`'s whole-run figures
+SUMMARY_NAME = "summary.json"
 
 
 class ReportError(Exception):
@@ -169,9 +171,11 @@ def _read_pivot_run(run_dir: Path, records: list[dict[str, Any]], config: Path) 
 
     run = RunData(run_dir.name)
     run.steps = [r for r in records if r.get("type") == "step"]
-    accounts = [r for r in records if r.get("type") == "account"]
-    if accounts:  # a resumed run has one per start: the last start's
-        run.account = dict(accounts[-1].get("seconds") or {})
+    summary = run_dir / SUMMARY_NAME
+    if summary.is_file():  # the measured time account (a resumed run's: its last start's)
+        with contextlib.suppress(json.JSONDecodeError, AttributeError, TypeError):
+            account = json.loads(summary.read_text(encoding="utf-8")).get("account") or {}
+            run.account = dict(account.get("seconds") or {})
     timeline = run_dir / "timeline.jsonl"
     if timeline.is_file():
         decoder = msgspec.json.Decoder(TimelineRecord)

@@ -60,7 +60,7 @@ from pivot.cli.interrupts import Interrupted, signal_of
 from pivot.cli.jobfile import RUNNING, STARTING, JobFile
 from pivot.cli.live import SHORT_ROLES, LiveView
 from pivot.cli.plot import plot_run
-from pivot.cli.report import ReportError, starting_allocation, write_report
+from pivot.cli.report import SUMMARY_NAME, ReportError, starting_allocation, write_report
 from pivot.cli.resume import (
     check_resumed_config,
     checkpoints_of,
@@ -107,13 +107,20 @@ DECISIONS_EVERY_S = 5.0
 BUS_STATS = "bus"
 
 
-class AccountRecord(TimeAccount, frozen=True, kw_only=True, tag="account", tag_field="type"):
-    """A line of metrics.jsonl, the last of a run (of each start of a resumed one): where its
-    devices' time went from the first step's submission to the last step's end, measured
-    (``pivot.account``; docs/metrics.md). ``lost_batches``: agents' segment batches that
-    never reached the Monitor (their time counts as idle)."""
+class MeasuredAccount(TimeAccount, frozen=True, kw_only=True):
+    """Where a run's devices' time went from its first step's submission to its last step's
+    end, measured (``pivot.account``; docs/metrics.md). ``lost_batches``: agents' segment
+    batches that never reached the Monitor (their time counts as idle)."""
 
     lost_batches: int = 0
+
+
+class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
+    """``RUN/summary.json`` (``SUMMARY_NAME``), written as the run stops: what the run as a
+    whole measured (a resumed run's is its last start's)."""
+
+    steps: int  # steps this start ran
+    account: MeasuredAccount
 
 
 def resolve_model(name: str, source: str, key: str) -> Path:
@@ -180,7 +187,7 @@ class Job:
         self.layout = job.layout()  # validated: each device's GPU, the trainer's ranks
         self.assembly: Assembly | None = None
         self.monitor: Monitor | None = None  # once the job's actors are made
-        self.account: AccountRecord | None = None  # once the job stopped after a step
+        self.account: MeasuredAccount | None = None  # once the job stopped after a step
         self.events: EventHub | None = None  # likewise
         self.job_file: JobFile | None = None  # RUN/job.json, once run() starts
         # ipc paths must stay under ~100 bytes: sockets live in a short temporary folder; those
@@ -482,10 +489,13 @@ class Job:
             await counters.close()  # the children wrote their final counts as they stopped
             await self.bus.close()
             sup.remove_signal_handlers()
+            metrics.close()
             self.account = self._account(driver.reports, monitor.device_meter)
             if self.account is not None:
-                metrics.write(msgspec.json.encode(self.account) + b"\n")
-            metrics.close()
+                summary = RunSummary(steps=len(driver.reports), account=self.account)
+                (run_dir / SUMMARY_NAME).write_bytes(
+                    msgspec.json.format(msgspec.json.encode(summary))
+                )
             timeline.close()
             if dump is not None:
                 dump.close()
@@ -498,7 +508,7 @@ class Job:
 
     def _account(
         self, reports: Sequence[StepReport], meter: DeviceMeter | None
-    ) -> AccountRecord | None:
+    ) -> MeasuredAccount | None:
         """The time account of this start's steps, from the first one's submission to the
         end of the last (None: no step ended), with the busy threshold its decode samples
         give (``DeviceMeter.measured_thresholds``)."""
@@ -512,7 +522,7 @@ class Job:
             self.deployment.split.gpus,
             thresholds=meter.measured_thresholds(priors, self.job.model.max_running),
         )
-        return AccountRecord(
+        return MeasuredAccount(
             devices=measured.devices,
             window_s=measured.window_s,
             seconds=measured.seconds,
@@ -615,7 +625,7 @@ def write_outputs(
     return plot, report
 
 
-def account_text(record: AccountRecord) -> str:
+def account_text(record: MeasuredAccount) -> str:
     """The time account in two lines: device-seconds and the share of devices x window of
     each category."""
     whole = max(record.devices * record.window_s, 1e-12)
