@@ -417,7 +417,8 @@ class RoleAgent(Actor):
     async def _release(self, msg: Release) -> AgentState:
         if msg.replica != self.replica or self.role is Role.FREE:
             return self.state()
-        await self._publish_segments(everything=True)  # under the role they ran in
+        if self.segments:
+            await self._publish_segments(everything=True)  # under the role they ran in
         if self._leads(self.devices):
             await self.stepping.pause(self, "release", self.role)
         async with self._engine_lock:
@@ -521,7 +522,8 @@ class RoleAgent(Actor):
             busy = engine is not None and engine.has_unfinished()
             # (nothing is unreported without a scheduler: Release refuses to drop any)
             if not busy and (not self._unreported or self.scheduler is None):
-                await self._publish_segments(everything=True)
+                if self.segments:  # (a simulated engine's are metered in-process)
+                    await self._publish_segments(everything=True)
                 self._work.clear()
                 await self._work.wait()
                 continue

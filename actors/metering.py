@@ -175,6 +175,9 @@ class SegmentLog:
         self.batches = 0
         self._continues = False  # the last segment runs on until the next step starts
 
+    def __len__(self) -> int:
+        return len(self.start)
+
     def step(
         self,
         start: float,
