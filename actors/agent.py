@@ -61,6 +61,7 @@ replica loading a newer version (``catch_up``); None: nothing but messages.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -71,6 +72,7 @@ from pivot.actors.messages import (
     Ack,
     Assign,
     Completion,
+    EngineSegments,
     Finished,
     Partial,
     RegisterReplica,
@@ -78,6 +80,7 @@ from pivot.actors.messages import (
     Work,
     copy_ids,
 )
+from pivot.actors.metering import SegmentLog
 from pivot.actors.shift_messages import (
     Acquire,
     AgentState,
@@ -87,7 +90,7 @@ from pivot.actors.shift_messages import (
     Register,
     Release,
 )
-from pivot.actors.vocabulary import LOAD_TOPIC, rl_messages
+from pivot.actors.vocabulary import LOAD_TOPIC, SEGMENTS_TOPIC, rl_messages
 from pivot.bus import Actor, Bus, BusError, Directory, RequestTimeout, Unreachable, handles
 from pivot.bus.codec import job_secret
 from pivot.cluster import INFERENCE_ROLES, Role
@@ -103,6 +106,10 @@ SHIFT_CONTEXT = (ContextKind.TRANSIENT, ContextKind.WEIGHTS)
 #: longer than copying a few MB (the tiny policy's 3 MB: ~0.3 ms); a larger read would keep
 #: the agent from answering for too long.
 SMALL_READ_BYTES = 16 << 20
+
+#: A real agent publishes its engine segments at most this often (and when it goes idle,
+#: releases or stops): one message a second, not one a step.
+SEGMENTS_EVERY_S = 1.0
 
 
 class WeightLoader(Protocol):
@@ -273,6 +280,10 @@ class RoleAgent(Actor):
         self._reprefilling: set[int] = set()
         self._reprefill_s: dict[int, float] = {}
         self._accepting = self.engine is not None
+        # what a real engine ran, for the run's time account (a stepping that measures
+        # steps fills it; ``_publish_segments`` sends it)
+        self.segments = SegmentLog()
+        self._segments_at = 0.0  # when the last batch of segments was published
 
     def _leads(self, devices: Sequence[int]) -> bool:
         return self.device is None or not devices or devices[0] == self.device
@@ -362,6 +373,8 @@ class RoleAgent(Actor):
             for p in partials:
                 self._reprefilling.discard(p.seq_id)
                 self._reprefill_s.pop(p.seq_id, None)
+            if not self.engine.has_unfinished():
+                self.segments.idle(self.clock.now())
         return Aborted(partials=partials)
 
     # --- shifting ---------------------------------------------------------------------------
@@ -403,6 +416,7 @@ class RoleAgent(Actor):
             async with self._engine_lock:
                 self.stepping.settle(self)
                 partials = self._take_back(self.engine.abort(None))
+                self.segments.idle(self.clock.now())
                 self._held.clear()
                 self._reprefilling.clear()
                 self._reprefill_s.clear()
@@ -421,6 +435,8 @@ class RoleAgent(Actor):
     async def _release(self, msg: Release) -> AgentState:
         if msg.replica != self.replica or self.role is Role.FREE:
             return self.state()
+        if self.segments:
+            await self._publish_segments(everything=True)  # under the role they ran in
         if self._leads(self.devices):
             await self.stepping.pause(self, "release", self.role)
         async with self._engine_lock:
@@ -545,6 +561,8 @@ class RoleAgent(Actor):
             busy = engine is not None and engine.has_unfinished()
             # (nothing is unreported without a scheduler: Release refuses to drop any)
             if not busy and (not self._unreported or self.scheduler is None):
+                if self.segments:  # (a simulated engine's are metered in-process)
+                    await self._publish_segments(everything=True)
                 self._work.clear()
                 await self._work.wait()
                 continue
@@ -630,6 +648,52 @@ class RoleAgent(Actor):
                 raise RuntimeError(f"{what} was refused: {exc}") from exc
         await self.clock.sleep(self.report_retries.backoff(self._report_failures))
 
+    def _ran(self, start: float, end: float, out: Any, stats: Any) -> None:
+        """One measured engine step (before ``_collect`` sees it), for the time account: the
+        sequences it held (``stats`` after it: those still running and those it finished),
+        its prefill, and the re-prefills' share of it (by count: one batched forward
+        prefilled them all)."""
+        prefill_s = out.prefill_s
+        reprefill_s = 0.0
+        if prefill_s > 0 and self._reprefilling and out.admitted:
+            again = len(self._reprefilling.intersection(out.admitted))
+            reprefill_s = prefill_s * again / len(out.admitted)
+        self.segments.step(
+            start,
+            end,
+            stats.running + len(out.finished),
+            prefill_s,
+            reprefill_s,
+            more=stats.running + stats.waiting > 0,
+        )
+
+    async def _publish_segments(self, *, everything: bool = False) -> None:
+        """Publish what the engine ran since the last batch: ``everything`` (the engine is
+        idle, or about to change role), else the closed segments once ``SEGMENTS_EVERY_S``
+        passed."""
+        now = self.clock.now()
+        if not everything and now - self._segments_at < SEGMENTS_EVERY_S:
+            return
+        columns = self.segments.take(everything=everything)
+        if columns is None:
+            return
+        self._segments_at = now
+        await self.publish(
+            SEGMENTS_TOPIC,
+            EngineSegments(
+                agent=self.name,
+                replica=self.replica or "",
+                role=self.role.value,
+                devices=list(self.devices),
+                batch=self.segments.batches,
+                **columns,
+            ),
+        )
+
+    async def on_stop(self) -> None:
+        with contextlib.suppress(Exception):  # lossy, as every publication
+            await self._publish_segments(everything=True)
+
     async def _publish_load(self, stats) -> None:  # noqa: ANN001 - EngineStats
         await self.publish(
             LOAD_TOPIC,
@@ -688,9 +752,13 @@ class Threaded:
         async with agent._engine_lock:
             if engine is not agent.engine or not engine.has_unfinished():
                 return  # released or evacuated while we waited for the lock
+            start = agent.clock.now()
             out = await asyncio.to_thread(engine.step)
+            stats = engine.stats()
+            agent._ran(start, agent.clock.now(), out, stats)
             agent._collect(out)
-        await agent._publish_load(engine.stats())
+        await agent._publish_load(stats)
+        await agent._publish_segments()
 
     def settle(self, agent: RoleAgent) -> None:
         pass

@@ -180,6 +180,25 @@ class ReplicaLoad(RLMessage, kw_only=True):
     decode_itl_s: float = 0.0
 
 
+class EngineSegments(RLMessage, kw_only=True):
+    """What a replica's engine ran since its last batch of segments, for the run's time
+    account (``pivot.account``): per segment (columns of equal length) its start and end on
+    the agent's clock, the sequences it held, and its first seconds of prefill, of which
+    the last ``reprefill_s`` re-prefilled sequences that had output already. ``batch``
+    counts ``agent``'s batches, so a reader can tell one was lost."""
+
+    agent: str
+    replica: str
+    role: str
+    devices: list[int]
+    batch: int
+    start: list[float]
+    end: list[float]
+    running: list[int]
+    prefill_s: list[float]
+    reprefill_s: list[float]
+
+
 # -- a process attached to the job <-> driver
 
 

@@ -7,6 +7,9 @@ controller it also follows the ``shift`` topic and keeps one ``ShiftMark`` per f
 with the allocation it left (devices per role; a lent trainer pool's devices that no
 replica took yet count nowhere).
 
+With a ``DeviceMeter`` (``pivot run``) it feeds the run's time account what it follows: the
+agents' ``EngineSegments`` and decode samples, the shift events, the trainer's spans.
+
 With an ``EventHub`` (``pivot run``; a simulation has none) it is also the job's event hub:
 it feeds the hub what it follows (shifts, the planner's decisions, the trainer's state) and
 each role's rate and sequences, and every ``events_interval`` seconds flushes the hub's new
@@ -20,6 +23,7 @@ from collections.abc import Callable, Mapping
 
 from pivot.actors.event_hub import EventHub
 from pivot.actors.messages import (
+    EngineSegments,
     EventBatch,
     EventSnapshot,
     QueryEvents,
@@ -27,8 +31,16 @@ from pivot.actors.messages import (
     ReplicaLoad,
     SchedulerStatus,
 )
+from pivot.actors.metering import DeviceMeter
 from pivot.actors.shift_messages import AllocationChanged, ShiftFinished, ShiftStarted
-from pivot.actors.vocabulary import EVENTS_TOPIC, LOAD_TOPIC, SHIFT_TOPIC, TRAINER_TOPIC
+from pivot.actors.trainer_messages import TrainerState
+from pivot.actors.vocabulary import (
+    EVENTS_TOPIC,
+    LOAD_TOPIC,
+    SEGMENTS_TOPIC,
+    SHIFT_TOPIC,
+    TRAINER_TOPIC,
+)
 from pivot.bus import Actor, Bus, BusError, handles
 from pivot.cluster import Role
 from pivot.timeline import RateMeter, RoleSample, ShiftMark
@@ -87,6 +99,7 @@ class Monitor(Actor):
         events: EventHub | None = None,
         trainer: str | None = None,
         events_interval: float = 0.5,
+        meter: DeviceMeter | None = None,
     ) -> None:
         super().__init__(name, bus)
         self.agents = agents
@@ -107,6 +120,8 @@ class Monitor(Actor):
         self.events_interval = events_interval
         self._event_meter = RateMeter()  # the hub's rates: over its interval, not a sample's
         self._trainer_sub = None
+        self.device_meter = meter  # the run's time account, fed as the events arrive
+        self._segments_sub = None
 
     @handles
     def query_events(self, msg: QueryEvents) -> EventSnapshot:
@@ -115,6 +130,8 @@ class Monitor(Actor):
         return self.events.snapshot()
 
     def _on_shift_event(self, msg: object) -> None:
+        if self.device_meter is not None:
+            self.device_meter.on_shift_event(msg)
         if self.events is not None:
             self.events.message(msg, self.clock.now())
         mark = self._marks.feed(msg, self.origin or 0.0)
@@ -123,14 +140,30 @@ class Monitor(Actor):
             if self.on_shift is not None:
                 self.on_shift(mark)
 
+    def _on_trainer_event(self, msg: object) -> None:
+        if self.device_meter is not None and isinstance(msg, TrainerState):
+            self.device_meter.on_trainer_state(msg)
+        if self.events is not None:
+            self.events.message(msg, self.clock.now())
+
+    def _on_segments(self) -> None:
+        meter = self.device_meter
+        if self._segments_sub is None or meter is None:
+            return
+        for pub in self._segments_sub.drain():
+            if isinstance(pub.message, EngineSegments):
+                meter.on_segments(pub.message)
+
     async def on_stop(self) -> None:
-        if self._shift_sub is not None:  # what arrived since the last sample still counts
+        # what arrived since the last sample still counts
+        if self._shift_sub is not None:
             for pub in self._shift_sub.drain():
                 self._on_shift_event(pub.message)
+        if self._trainer_sub is not None:
+            for pub in self._trainer_sub.drain():
+                self._on_trainer_event(pub.message)
+        self._on_segments()
         if self.events is not None:
-            if self._trainer_sub is not None:
-                for pub in self._trainer_sub.drain():
-                    self.events.message(pub.message, self.clock.now())
             self.events.flush()  # to events.jsonl: the watchers go with the job
 
     async def run(self) -> None:
@@ -140,8 +173,11 @@ class Monitor(Actor):
         )
         self._shift_sub = shifts
         hub = self.events
-        if hub is not None and self.trainer is not None:
+        meter = self.device_meter
+        if self.trainer is not None and (hub is not None or meter is not None):
             self._trainer_sub = self.subscribe(TRAINER_TOPIC, publishers=self.trainer)
+        if meter is not None:
+            self._segments_sub = self.subscribe(SEGMENTS_TOPIC, publishers=self.agents)
         if self.origin is None:
             self.origin = self.clock.now()
         self.meter.sample(self.clock.now())
@@ -155,12 +191,15 @@ class Monitor(Actor):
                     self._on_shift_event(pub.message)
             if self._trainer_sub is not None:
                 for pub in self._trainer_sub.drain():
-                    hub.message(pub.message, self.clock.now())
+                    self._on_trainer_event(pub.message)
+            self._on_segments()
             for pub in loads.drain():
                 if isinstance(pub.message, ReplicaLoad):
                     m = pub.message
                     self.meter.observe(m.replica, m.role, m.generated_tokens)
                     self._event_meter.observe(m.replica, m.role, m.generated_tokens)
+                    if meter is not None:
+                        meter.on_load(m)
             now = self.clock.now()
             rates = self.meter.sample(now)
             batch = []

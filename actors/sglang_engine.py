@@ -156,6 +156,10 @@ class _Seq:
     finish: dict | None = None  # SGLang's finish_reason, once the request ended
     failure: str | None = None  # the request ended in an error or an abort not ours
     task: asyncio.Task | None = None
+    streamed_at: float = 0.0  # when its last chunk came (monotonic)
+    # between its last two chunks, when the later one added one token: one SGLang decode
+    # iteration of the batch it ran in (0: none measured yet)
+    token_gap_s: float = 0.0
 
     @property
     def available(self) -> int:
@@ -255,6 +259,7 @@ class SGLangEngine:
         self._generated = 0
         self._last_step_s = 0.0
         self._mean_step_s = 0.0
+        self._decode_sample = (0, 0, 0.0)  # the cost-model refit's, as of the last step
         self._context = RoleContext(
             held_sequences=lambda: len(self._seqs),
             free_transient=lambda: self._memory("release", [TAGS[ContextKind.TRANSIENT]]),
@@ -375,7 +380,11 @@ class SGLangEngine:
             async for chunk in self._tm.generate_request(obj, None):
                 meta = chunk["meta_info"]
                 total = int(meta["completion_tokens"])
+                now = time.monotonic()
                 with self._cond:
+                    if s.streamed_at and total == len(s.ids) + 1:
+                        s.token_gap_s = now - s.streamed_at
+                    s.streamed_at = now
                     _place(s.ids, chunk["output_ids"], total)
                     _place(s.logprobs, [t[0] for t in meta["output_token_logprobs"]], total)
                     reason = meta.get("finish_reason")
@@ -572,6 +581,7 @@ class SGLangEngine:
                     del self._seqs[s.seq_id]
                 raise EngineError("; ".join(f"sequence {s.seq_id!r}: {s.failure}" for s in failed))
             events, finished, admitted = [], [], []
+            self._decode_sample = self._decode_measured()
             for s in list(self._seqs.values()):
                 if s.available:
                     if s.released == 0:
@@ -604,6 +614,18 @@ class SGLangEngine:
             prefill_tokens=sum(len(s.prompt) + len(s.handed_ids) for s in admitted),
             admitted=tuple(s.seq_id for s in admitted),
         )
+
+    def _decode_measured(self) -> tuple[int, int, float]:
+        """The decode sample of the batch running now (under the lock): its size, its KV
+        tokens, and the median of its sequences' latest one-token chunk gaps (SGLang's
+        streamed per-request timing; it reports no iteration latency of its own); none
+        while a sequence waits to be admitted, whose prefill shares the iterations."""
+        running = [s for s in self._seqs.values() if s.released > 0]
+        gaps = sorted(s.token_gap_s for s in running if s.token_gap_s > 0)
+        if not gaps or len(running) < len(self._seqs):
+            return (0, 0, 0.0)
+        tokens = sum(len(s.prompt) + len(s.handed_ids) + s.released for s in running)
+        return (len(running), tokens, gaps[len(gaps) // 2])
 
     def _ready(self) -> bool:
         """Every running sequence has its next token (or failed); with none running, a
@@ -669,4 +691,7 @@ class SGLangEngine:
             weights_version=self.weights_version,
             released=self._context.released_kinds(),
             weights_ready=self._context.weights_ready,
+            decode_running=self._decode_sample[0],
+            decode_tokens=self._decode_sample[1],
+            decode_itl_s=self._decode_sample[2],
         )

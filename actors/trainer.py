@@ -201,7 +201,9 @@ class Trainer(Actor):
     async def _crash(self, exc: BaseException) -> None:
         raise RuntimeError(f"training backend command failed: {exc!r}") from exc
 
-    async def _set_state(self, state: TrainerStateName) -> None:
+    async def _set_state(
+        self, state: TrainerStateName, span: tuple[float, float] | None = None
+    ) -> None:
         self._role_state = state
         with contextlib.suppress(Exception):  # lossy: monitors catch up at the next change
             await self.publish(
@@ -211,6 +213,7 @@ class Trainer(Actor):
                     state=state,
                     version=self.backend.version,
                     last_step_s=self.last_step_s,
+                    span=span,
                 ),
             )
 
@@ -244,6 +247,7 @@ class Trainer(Actor):
         batch = await self.backend.prepare(msg)
         self._pending = True
         result = None
+        span = None
         try:
             await self._set_state("training")
             if not self._on_devices.is_set():
@@ -253,9 +257,10 @@ class Trainer(Actor):
                 with contextlib.suppress(Exception):  # the actor crashes: see _command
                     result = await self._command("train", self.backend.train, batch)
                 ended = self.clock.now()
+                span = (started, ended) if result is not None else None
         finally:
             self._pending = False
-            await self._set_state("idle" if self._holds_pool else "offloaded")
+            await self._set_state("idle" if self._holds_pool else "offloaded", span)
         if result is None:
             # unanswered (see the module docstring): this actor is crashing, the request
             # goes to the trainer started after it

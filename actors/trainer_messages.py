@@ -116,3 +116,6 @@ class TrainerState(RLMessage, kw_only=True):
     state: TrainerStateName
     version: int
     last_step_s: float = 0.0
+    # the step that just trained, leaving state training (start, end on the trainer's
+    # clock): a real job's time account of the trainer's devices
+    span: tuple[float, float] | None = None

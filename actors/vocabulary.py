@@ -6,6 +6,7 @@ Whatever must arrive travels as a request (``messages``, ``shift_messages``,
 ``trainer_messages``); only what the next sample replaces is published, on these topics:
 
 * ``LOAD_TOPIC``: agents' ``ReplicaLoad`` after each step (routing, the planner's refit);
+* ``SEGMENTS_TOPIC``: agents' ``EngineSegments`` about once a second (a real job's account);
 * ``SHIFT_TOPIC``: the Controller's ``ShiftStarted``, ``ShiftFinished``, ``AllocationChanged``;
 * ``SHIFT_TOPIC`` also carries its ``PlannerDecided`` (rate-limited);
 * ``TRAINER_TOPIC``: the trainer's ``TrainerState`` on each change of state;
@@ -20,6 +21,7 @@ from pivot.actors import trainer_messages as trainer
 from pivot.actors.messages import RLMessage
 
 LOAD_TOPIC = "load"
+SEGMENTS_TOPIC = "segments"
 SHIFT_TOPIC = "shift"
 TRAINER_TOPIC = "trainer"
 EVENTS_TOPIC = "events"
@@ -39,6 +41,7 @@ MESSAGES: tuple[type[RLMessage], ...] = (
     rl.Aborted,
     rl.Ack,
     rl.ReplicaLoad,
+    rl.EngineSegments,
     # a process attached to the job
     rl.GenerateRequest,
     rl.GenerateReply,

@@ -1,20 +1,22 @@
 """`pivot report RUN_DIR [-o FILE]`: a run directory as one self-contained HTML file.
 
 It reads what the run left: for `pivot run`, ``metrics.jsonl`` (step records),
-``timeline.jsonl`` (throughput samples and shifts), ``config.toml``, ``shift.journal``,
-``actors.log`` (replicas removed and sequences requeued) and ``events.jsonl`` when the job
-wrote one; for `pivot simulate`, its ``metrics.jsonl`` (run, step, sample, shift and train
-records of every simulated run) and ``summary.json``. The page holds the Figure-10-style
-throughput plot with its lane strip, the reward curve (accuracy, eval and loss when
-recorded), shift statistics by kind and phase, migration costs, a simulated run's fraction of
-the physical bounds and its time account, the step table and the resolved config; plots are
-embedded PNGs, so the file can be mailed or archived alone.
+``summary.json`` (the measured time account), ``timeline.jsonl`` (throughput samples and
+shifts), ``config.toml``, ``shift.journal``, ``actors.log`` (replicas removed and sequences
+requeued) and ``events.jsonl`` when the job wrote one; for `pivot simulate`, its
+``metrics.jsonl`` (run, step, sample, shift and train records of every simulated run) and
+``summary.json``. The page holds the Figure-10-style throughput plot with its lane strip, the
+reward curve (accuracy, eval and loss when recorded), shift statistics by kind and phase,
+migration costs, a simulated run's fraction of the physical bounds, the time account (a real
+run's measured one), the step table and the resolved config; plots are embedded PNGs, so the
+file can be mailed or archived alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import io
 import json
 import statistics
@@ -23,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 REPORT_NAME = "report.html"
-SUMMARY_NAME = "summary.json"  # `pivot simulate`'s printed report, kept in its run dir
+# `pivot simulate`'s printed report, kept in its run dir; `pivot run`'s whole-run figures
+SUMMARY_NAME = "summary.json"
 
 
 class ReportError(Exception):
@@ -168,6 +171,11 @@ def _read_pivot_run(run_dir: Path, records: list[dict[str, Any]], config: Path) 
 
     run = RunData(run_dir.name)
     run.steps = [r for r in records if r.get("type") == "step"]
+    summary = run_dir / SUMMARY_NAME
+    if summary.is_file():  # the measured time account (a resumed run's: its last start's)
+        with contextlib.suppress(json.JSONDecodeError, AttributeError, TypeError):
+            account = json.loads(summary.read_text(encoding="utf-8")).get("account") or {}
+            run.account = dict(account.get("seconds") or {})
     timeline = run_dir / "timeline.jsonl"
     if timeline.is_file():
         decoder = msgspec.json.Decoder(TimelineRecord)
@@ -493,13 +501,14 @@ strip: devices per role over time as stacked bands; ticks above it: one per shif
 <h3>Migration costs</h3>
 {% if run.migration %}<table>{% for k, v in run.migration.items() %}<tr><th class="l">{{ labels.get(k, k) }}</th><td>{{ v }}</td></tr>{% endfor %}</table>
 {% if run.kind == "run" %}<p class="note">pivot run records no per-sequence re-prefill time; pivot simulate does.</p>{% endif %}{% else %}<p>none recorded</p>{% endif %}
-{% if run.bound %}<h3>Bounds and time account</h3>
-<table><tr><th class="l">fraction of the bound</th><th>work-conserving</th><th>critical path</th><th>combined</th></tr>
-<tr><td class="l">this run</td><td>{{ "%.3f"|format(run.bound.work) }}</td><td>{{ "%.3f"|format(run.bound.critical_path) }}</td><td>{{ "%.3f"|format(run.bound.combined) }}</td></tr></table>
+{% if run.bound or run.account %}<h3>{{ "Bounds and time account" if run.bound else "Time account" }}</h3>{% endif %}
+{% if run.bound %}<table><tr><th class="l">fraction of the bound</th><th>work-conserving</th><th>critical path</th><th>combined</th></tr>
+<tr><td class="l">this run</td><td>{{ "%.3f"|format(run.bound.work) }}</td><td>{{ "%.3f"|format(run.bound.critical_path) }}</td><td>{{ "%.3f"|format(run.bound.combined) }}</td></tr></table>{% endif %}
 {% if run.account %}<table><tr><th class="l">device time</th><th>device-s</th><th>%</th></tr>
 {% for k, v in run.account.items() %}<tr><td class="l">{{ k }}</td><td>{{ "%.1f"|format(v) }}</td><td>{{ "%.1f"|format(100 * v / run.account_total) }}</td></tr>
 {% endfor %}</table>{% endif %}
-<p class="note">Bound time over the run's time for the same steps (pivot.bounds); the account sums to devices x the same window (pivot.account says what each category holds).</p>{% endif %}
+{% if run.bound %}<p class="note">Bound time over the run's time for the same steps (pivot.bounds); the account sums to devices x the same window (pivot.account says what each category holds).</p>
+{% elif run.account %}<p class="note">Measured: the devices' time from the first step's submission to the last step's end, summing to devices x that window (pivot.account says what each category holds).</p>{% endif %}
 <h3>Steps</h3>
 <table class="steps"><tr>{% for h in run.step_head %}<th>{{ h }}</th>{% endfor %}</tr>
 {% for row in run.step_rows %}<tr>{% for c in row %}<td>{{ c }}</td>{% endfor %}</tr>

@@ -24,6 +24,7 @@ from pathlib import Path
 import msgspec
 
 from pivot.accelerator import cuda_missing
+from pivot.account import ACCOUNT, TimeAccount, account
 from pivot.actors.assembly import (
     CONTROLLER,
     DRIVER,
@@ -40,6 +41,7 @@ from pivot.actors.checkpoints import Checkpoint
 from pivot.actors.controller import ControllerSettings
 from pivot.actors.driver import Scores, StepReport
 from pivot.actors.event_hub import EventHub, initial_devices
+from pivot.actors.metering import DeviceMeter
 from pivot.actors.monitor import Monitor
 from pivot.actors.param_store import job_store_name, remove_orphaned_stores, remove_store
 from pivot.actors.processes import ControllerSpec, ProcessBackend
@@ -58,7 +60,7 @@ from pivot.cli.interrupts import Interrupted, signal_of
 from pivot.cli.jobfile import RUNNING, STARTING, JobFile
 from pivot.cli.live import SHORT_ROLES, LiveView
 from pivot.cli.plot import plot_run
-from pivot.cli.report import ReportError, starting_allocation, write_report
+from pivot.cli.report import SUMMARY_NAME, ReportError, starting_allocation, write_report
 from pivot.cli.resume import (
     check_resumed_config,
     checkpoints_of,
@@ -103,6 +105,22 @@ DECISIONS_EVERY_S = 5.0
 
 #: The run dir's folder of bus counters, one file per process (docs/metrics.md).
 BUS_STATS = "bus"
+
+
+class MeasuredAccount(TimeAccount, frozen=True, kw_only=True):
+    """Where a run's devices' time went from its first step's submission to its last step's
+    end, measured (``pivot.account``; docs/metrics.md). ``lost_batches``: agents' segment
+    batches that never reached the Monitor (their time counts as idle)."""
+
+    lost_batches: int = 0
+
+
+class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
+    """``RUN/summary.json`` (``SUMMARY_NAME``), written as the run stops: what the run as a
+    whole measured (a resumed run's is its last start's)."""
+
+    steps: int  # steps this start ran
+    account: MeasuredAccount
 
 
 def resolve_model(name: str, source: str, key: str) -> Path:
@@ -169,6 +187,7 @@ class Job:
         self.layout = job.layout()  # validated: each device's GPU, the trainer's ranks
         self.assembly: Assembly | None = None
         self.monitor: Monitor | None = None  # once the job's actors are made
+        self.account: MeasuredAccount | None = None  # once the job stopped after a step
         self.events: EventHub | None = None  # likewise
         self.job_file: JobFile | None = None  # RUN/job.json, once run() starts
         # ipc paths must stay under ~100 bytes: sockets live in a short temporary folder; those
@@ -360,6 +379,7 @@ class Job:
             interval=0.1,
             events=hub,
             trainer=TRAINER if d.trainer_devices else None,
+            meter=DeviceMeter(d),
         )
         sup = Supervisor(
             policy=RestartPolicy(max_restarts=2, window=60.0), stats_dir=run_dir / BUS_STATS
@@ -470,6 +490,12 @@ class Job:
             await self.bus.close()
             sup.remove_signal_handlers()
             metrics.close()
+            self.account = self._account(driver.reports, monitor.device_meter)
+            if self.account is not None:
+                summary = RunSummary(steps=len(driver.reports), account=self.account)
+                (run_dir / SUMMARY_NAME).write_bytes(
+                    msgspec.json.format(msgspec.json.encode(summary))
+                )
             timeline.close()
             if dump is not None:
                 dump.close()
@@ -479,6 +505,30 @@ class Job:
                 await gateway.close()
             shutil.rmtree(self.sockets, ignore_errors=True)
         return driver.reports, monitor
+
+    def _account(
+        self, reports: Sequence[StepReport], meter: DeviceMeter | None
+    ) -> MeasuredAccount | None:
+        """The time account of this start's steps, from the first one's submission to the
+        end of the last (None: no step ended), with the busy threshold its decode samples
+        give (``DeviceMeter.measured_thresholds``)."""
+        if not reports or meter is None:
+            return None
+        window = (reports[0].started_s, max(r.started_s + r.seconds for r in reports))
+        priors = {role.value: model for role, model in self.controller.cost_models.items()}
+        measured = account(
+            meter.ledger,
+            window,
+            self.deployment.split.gpus,
+            thresholds=meter.measured_thresholds(priors, self.job.model.max_running),
+        )
+        return MeasuredAccount(
+            devices=measured.devices,
+            window_s=measured.window_s,
+            seconds=measured.seconds,
+            thresholds=measured.thresholds,
+            lost_batches=meter.lost_batches,
+        )
 
     def _sources(self, sink) -> tuple[PromptSource, PromptSource | None]:  # noqa: ANN001
         """The training prompts and the evaluation set, with the job's reward: one reward
@@ -573,6 +623,22 @@ def write_outputs(
     with contextlib.suppress(ReportError):
         report = write_report(run_dir)
     return plot, report
+
+
+def account_text(record: MeasuredAccount) -> str:
+    """The time account in two lines: device-seconds and the share of devices x window of
+    each category."""
+    whole = max(record.devices * record.window_s, 1e-12)
+    parts = [
+        f"{k.replace('_', ' ')} {record.seconds[k]:.1f} s ({100 * record.seconds[k] / whole:.1f}%)"
+        for k in ACCOUNT
+    ]
+    lost = f"; {record.lost_batches} segment batches lost" if record.lost_batches else ""
+    busy = ", ".join(f"{role} >= {n}" for role, n in sorted(record.thresholds.items()))
+    return (
+        f"device time ({record.devices} devices x {record.window_s:.1f} s, first step to last; "
+        f"busy from batch {busy or '-'}{lost}):\n  " + ", ".join(parts)
+    )
 
 
 def bus_trouble_line(run_dir: Path) -> str | None:
@@ -929,6 +995,8 @@ def main(args: argparse.Namespace) -> int:
         + f"logs {run_dir / 'actors.log'}"
         + (f", tensorboard --logdir {run_dir / 'tensorboard'}" if job.log.tensorboard else "")
     )
+    if runner.account is not None:
+        console.print(account_text(runner.account))
     if (line := bus_trouble_line(run_dir)) is not None:
         console.print(line, style="yellow")
     saved = [r.checkpoint for r in reports if r.checkpoint]

@@ -37,6 +37,7 @@ RUN_FILES = (
     "shift.journal",
     "actors.log",
     "tensorboard",
+    "summary.json",
 )
 _SOURCE = "source: "
 _OVERRIDE = "override: "

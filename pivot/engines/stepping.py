@@ -141,6 +141,10 @@ class SteppedEngine:
         self._generated = 0
         self._last_step_s = 0.0
         self._mean_step_s = 0.0
+        # the last step's decode sample for the planner's cost-model refit (batch, KV tokens
+        # attended over, latency), one per step published; a step that also prefilled
+        # measures no decode latency and gives none
+        self._decode_sample = (0, 0, 0.0)
         self.weights_version = weights_version
 
     # ---- what a backend computes ---------------------------------------------------------------
@@ -253,6 +257,7 @@ class SteppedEngine:
         if not decoding and not admitted:
             return StepOutput(step=self._steps)
         logits = []
+        attended = sum(s.cache_len for s in decoding)
         if decoding:
             logits.append(self._decode(decoding))
         prefill_tokens, prefill_s = 0, 0.0
@@ -290,6 +295,9 @@ class SteppedEngine:
                 if self._steps == 1
                 else (1 - _EMA) * self._mean_step_s + _EMA * self._last_step_s
             )
+            self._decode_sample = (
+                (len(decoding), attended, self._last_step_s) if not admitted else (0, 0, 0.0)
+            )
         return StepOutput(
             step=self._steps,
             events=tuple(events),
@@ -316,6 +324,9 @@ class SteppedEngine:
             weights_version=self.weights_version,
             weights_ready=self._context.weights_ready,
             released=self._context.released_kinds(),
+            decode_running=self._decode_sample[0],
+            decode_tokens=self._decode_sample[1],
+            decode_itl_s=self._decode_sample[2],
         )
 
 

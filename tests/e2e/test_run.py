@@ -244,6 +244,18 @@ def test_job_shifts_and_leaves_no_processes(shifting_run):
     assert bus["main"]["actors"]["driver"]["requests_sent"] > 0
     assert _children_of(run.proc.pid) == []
     assert not any(p for p in _children_of(os.getpid()) if _is_agent(p))
+    # the measured time account: every device-second from the first step's submission to the
+    # last step's end, the shifts' time in transit and the trainer's in training
+    summary = json.loads((run.dir / "summary.json").read_text())
+    assert summary["steps"] == STEPS
+    account = summary["account"]
+    start = run.reports[0]["started_s"]
+    window = max(r["started_s"] + r["seconds"] for r in run.reports) - start
+    assert account["devices"] == 4 and account["window_s"] == pytest.approx(window)
+    seconds = account["seconds"]
+    assert sum(seconds.values()) == pytest.approx(4 * window)
+    assert min(seconds["busy"], seconds["training"], seconds["in_transit"]) > 0
+    assert f"device time (4 devices x {window:.1f} s" in run.stdout
 
 
 def test_the_run_leaves_its_report_and_pivot_report_rebuilds_it(shifting_run, tmp_path):
@@ -268,6 +280,7 @@ def test_the_run_leaves_its_report_and_pivot_report_rebuilds_it(shifting_run, tm
         assert steps == [(str(r["step"]), str(r["policy_version"])) for r in shifting_run.reports]
         assert '<td class="l">reclaim_trainer</td><td class="l">total</td>' in html
         assert f"steps = {STEPS}" in html  # the resolved config
+        assert "<h3>Time account</h3>" in html and '<td class="l">in_transit</td>' in html
 
 
 def test_same_seed_same_rewards_without_shifts(shifting_run, fixed_run):

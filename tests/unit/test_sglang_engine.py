@@ -118,6 +118,27 @@ def test_memory_and_load_figures_come_from_sglang():
     assert (engine.stats().running, engine.stats().kv_tokens) == (1, 4)
 
 
+def test_decode_samples_come_from_the_streamed_chunks_of_the_running_batch():
+    """The cost-model refit's sample (EngineStats.decode_*): none until a sequence streamed
+    two one-token chunks, then the batch, its KV tokens and a gap no shorter than the fake's
+    iteration; none while a sequence waits for its first token."""
+    engine = launch(iteration_s=0.01)
+    for i in range(2):
+        engine.add(i, [3, 4, 5], sampling=_sampling(6))
+    engine.step()  # both admitted: each one's first chunk
+    assert engine.stats().decode_itl_s == 0.0
+    engine.step()
+    engine.step()
+    stats = engine.stats()
+    # the context the iteration attended over: before the step's two tokens
+    assert (stats.decode_running, stats.decode_tokens) == (2, stats.kv_tokens - 2)
+    assert stats.decode_itl_s >= 0.01
+    engine.add(9, [3, 4], sampling=_sampling(2))
+    engine.step()  # the newcomer's first token or not, its prefill shared the iteration
+    assert engine.stats().decode_itl_s == 0.0
+    engine.abort(None)
+
+
 def test_chunks_are_placed_by_where_they_end():
     held = [1, 2, 3]
     _place(held, [4], 4)  # a delta, or an abort chunk collapsed to the last token

@@ -406,10 +406,14 @@ def test_stats_count_load_and_measure_steps(folder):
     assert s.kv_tokens == len(p[0]) + len(p[1])
     assert s.last_step_s == 1.5 and s.mean_step_s == 1.5
     assert s.kv_capacity_tokens == 2 * 64
+    assert (s.decode_running, s.decode_itl_s) == (0, 0.0)  # it prefilled: no decode sample
     out = engine.step()  # decode only: no prefill, two clock readings
     assert out.admitted == () and out.prefill_s == 0.0
-    assert engine.stats().last_step_s == 0.5
-    assert engine.stats().kv_tokens == len(p[0]) + len(p[1]) + 2
+    s = engine.stats()
+    assert s.last_step_s == 0.5
+    assert s.kv_tokens == len(p[0]) + len(p[1]) + 2
+    # the refit's sample: the batch, the context it attended over, the step's latency
+    assert (s.decode_running, s.decode_tokens, s.decode_itl_s) == (2, s.kv_tokens - 2, 0.5)
 
 
 def test_spec_rejects_unsupported_configs():
