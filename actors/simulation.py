@@ -36,9 +36,11 @@ agents' engine calls, the shift events and the trainer's spans by ``pivot.actors
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
@@ -775,6 +777,68 @@ class Comparison(msgspec.Struct, kw_only=True):
         return out
 
 
+class SplitRuns:
+    """The runs of one deployment's splits in one regime (``settings``), each split run once.
+
+    Without a pool a split runs in this process when its result is asked for; with ``pool``
+    (worker processes) ``start`` submits it ahead, so that runs a sweep is about to need
+    overlap on the machine's cores. A run is deterministic (its own virtual clock and seeds),
+    so its result is the same wherever it ran; only ``wall_s`` differs."""
+
+    def __init__(
+        self,
+        workload: Workload,
+        settings: SimulationSettings,
+        *,
+        journal_dir: str | Path | None = None,
+        pool: Executor | None = None,
+        known: Mapping[Split, RunResult] | None = None,
+    ) -> None:
+        self.workload = workload
+        self.settings = settings
+        self.journal_dir = journal_dir
+        self.pool = pool
+        self.done: dict[Split, RunResult] = dict(known or {})
+        self._pending: dict[Split, Future[RunResult]] = {}
+
+    def start(self, split: Split, label: str = "sweep") -> None:
+        """Submit ``split``'s run to the pool unless it ran or runs already (no pool: no-op)."""
+        if self.pool is None or split in self.done or split in self._pending:
+            return
+        self._pending[split] = self.pool.submit(
+            _run_split, self.workload, split, self.settings, label, self.journal_dir
+        )
+
+    def result(self, split: Split, label: str = "sweep") -> RunResult:
+        """``split``'s run: done before, waited for, or run now."""
+        if split not in self.done:
+            future = self._pending.pop(split, None)
+            if future is not None:
+                self.done[split] = future.result()
+            else:
+                self.done[split] = simulate(
+                    self.workload, split, self.settings, label=label, journal_dir=self.journal_dir
+                )
+        return self.done[split]
+
+    def forget_waiting(self) -> None:
+        """Cancel the submitted runs no worker has started (a climb that moved on)."""
+        for split, future in list(self._pending.items()):
+            if future.cancel():
+                del self._pending[split]
+
+
+def _run_split(
+    workload: Workload,
+    split: Split,
+    settings: SimulationSettings,
+    label: str,
+    journal_dir: str | Path | None,
+) -> RunResult:
+    """One run in a worker process (a module-level function: the pool pickles it by name)."""
+    return simulate(workload, split, settings, label=label, journal_dir=journal_dir)
+
+
 def best_static(
     workload: Workload,
     kind: DeploymentKind,
@@ -784,6 +848,7 @@ def best_static(
     journal_dir: str | Path | None = None,
     progress: Callable[[str], None] | None = None,
     known: Mapping[Split, RunResult] | None = None,
+    runs: SplitRuns | None = None,
 ) -> tuple[RunResult, list[dict[str, Any]]]:
     """The static split with the highest samples/s that a hill-climb over the sweep grid
     (``sweep_splits``) finds, every split run in the full regime of ``settings`` (warm-up and
@@ -792,36 +857,43 @@ def best_static(
     From Table 4's split, the climb runs each neighbour (``neighbours``: one grid move of
     devices between two pools) in order and moves to the first that beats the split it is
     at, until none does: deterministic, and a local optimum of the grid. ``known``: runs
-    already done (Table 4's), reused."""
+    already done (Table 4's), reused. ``runs``: where the splits run (``SplitRuns``; default
+    one after another in this process); with a pool, every neighbour of the split the climb
+    is at is started at once and read in order, so the climb and its result are the same."""
     grid = sweep_splits(kind, gpus, workload.replica_sizes())
-    runs: dict[Split, RunResult] = dict(known or {})
+    runs = runs or SplitRuns(workload, settings, journal_dir=journal_dir)
+    for split, result in (known or {}).items():
+        runs.done.setdefault(split, result)
+    announced = set(runs.done)  # runs done before the climb: no progress line
     tried: list[dict[str, Any]] = []
 
     def run(split: Split) -> RunResult:
-        if split not in runs:
-            runs[split] = simulate(
-                workload, split, settings, label="sweep", journal_dir=journal_dir
-            )
-            if progress is not None:
-                progress(
-                    f"  sweep {kind.value} {split.label()}: "
-                    f"{runs[split].samples_per_s:.3f} samples/s"
-                )
-        result = runs[split]
+        result = runs.result(split)
+        if progress is not None and split not in announced:
+            announced.add(split)
+            progress(f"  sweep {kind.value} {split.label()}: {result.samples_per_s:.3f} samples/s")
         if all(t["split"] != split.label() for t in tried):
             tried.append({"split": split.label(), "samples_per_s": round(result.samples_per_s, 6)})
         return result
 
     here = table4_split(kind, gpus, workload.replica_sizes())
+    candidates = neighbours(here, grid)
+    runs.start(here)
+    for other in candidates:
+        runs.start(other)
     best = run(here)
     moved = True
     while moved:
         moved = False
-        for other in neighbours(here, grid):
+        for other in candidates:
+            runs.start(other)
+        for other in candidates:
             result = run(other)
             if result.samples_per_s > best.samples_per_s:
                 here, best, moved = other, result, True
                 break
+        runs.forget_waiting()
+        candidates = neighbours(here, grid)
     return best, tried
 
 
@@ -836,6 +908,7 @@ def compare(
     progress: Callable[[str], None] | None = None,
     on_run: Callable[[RunResult], None] | None = None,
     baseline_routers: Sequence[str] | None = None,
+    jobs: int = 1,
 ) -> Comparison:
     """PivotRL and each baseline, each at Table 4's split and at the best split the sweep's
     hill-climb finds (``best_static``; for PivotRL: its trainer pool, the one pool it does not
@@ -843,10 +916,57 @@ def compare(
     baseline runs Table 4's split with every rule of ``baseline_routers`` (default: the one
     ``settings`` names) and keeps, and sweeps with, the one that serves it best; PivotRL
     routes by the paper's rules. ``on_run`` gets each run that ``Comparison.runs`` will list
-    as it finishes (what an interrupted comparison has so far)."""
-    kinds = [DeploymentKind(k) for k in (deployments or list(DeploymentKind))]
-    say = progress or (lambda _: None)
-    done = on_run or (lambda _: None)
+    as it finishes (what an interrupted comparison has so far). ``jobs`` > 1 and ``sweep``:
+    the runs of a deployment run in that many worker processes, a sweep's first candidates
+    beside Table 4's run (``SplitRuns``); the comparison is the same as with one."""
+    if jobs < 1:
+        raise SimulationError(f"jobs must be >= 1, got {jobs}")
+    with contextlib.ExitStack() as stack:
+        pool = None
+        if jobs > 1 and sweep:
+            # fork: a worker starts with the modules loaded (a simulation holds no threads)
+            pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"))
+            stack.callback(_stop_pool, pool)
+        return _compare(
+            workload,
+            gpus,
+            settings,
+            kinds=[DeploymentKind(k) for k in (deployments or list(DeploymentKind))],
+            sweep=sweep,
+            journal_dir=journal_dir,
+            say=progress or (lambda _: None),
+            done=on_run or (lambda _: None),
+            baseline_routers=baseline_routers,
+            pool=pool,
+        )
+
+
+def _stop_pool(pool: ProcessPoolExecutor) -> None:
+    """Shut ``pool`` down without waiting for the runs still going: a climb that ended does
+    not need the candidates it started ahead (the executor has no public way to stop a
+    running call, hence its worker processes)."""
+    workers = list(getattr(pool, "_processes", {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for worker in workers:
+        if worker.is_alive():
+            worker.terminate()
+    for worker in workers:
+        worker.join()
+
+
+def _compare(
+    workload: Workload,
+    gpus: int,
+    settings: SimulationSettings,
+    *,
+    kinds: list[DeploymentKind],
+    sweep: bool,
+    journal_dir: str | Path | None,
+    say: Callable[[str], None],
+    done: Callable[[RunResult], None],
+    baseline_routers: Sequence[str] | None,
+    pool: Executor | None,
+) -> Comparison:
     baselines: dict[str, BaselineRuns] = {}
     chosen: dict[str, SimulationSettings] = {}
     for kind in kinds:
@@ -854,28 +974,45 @@ def compare(
         rules = [settings.baseline_router]
         if kind is not DeploymentKind.PIVOT and baseline_routers:
             rules = list(baseline_routers)
+        swept = sweep and kind is not DeploymentKind.COLOCATED
+        by_rule = {
+            rule: SplitRuns(
+                workload,
+                msgspec.structs.replace(settings, baseline_router=rule),
+                journal_dir=journal_dir,
+                pool=pool,
+            )
+            for rule in rules
+        }
+        for rule_runs in by_rule.values():
+            rule_runs.start(split, "table4")
+        if swept and len(rules) == 1:
+            # the climb's first candidates do not wait for Table 4's run
+            grid = sweep_splits(kind, gpus, workload.replica_sizes())
+            for other in neighbours(split, grid):
+                by_rule[rules[0]].start(other)
         table4: RunResult | None = None
         tried_rules: dict[str, float] = {}
-        for rule in rules:
-            mine = msgspec.structs.replace(settings, baseline_router=rule)
-            run = simulate(workload, split, mine, label="table4", journal_dir=journal_dir)
+        kind_runs = by_rule[rules[0]]
+        for rule, rule_runs in by_rule.items():
+            run = rule_runs.result(split, "table4")
             tried_rules[rule] = round(run.samples_per_s, 6)
             if table4 is None or run.samples_per_s > table4.samples_per_s:
-                table4, chosen[kind.value] = run, mine
+                table4, kind_runs, chosen[kind.value] = run, rule_runs, rule_runs.settings
         assert table4 is not None
         kind_settings = chosen[kind.value]
         done(table4)  # before the line: a run the line announces is one Ctrl-C keeps
         say(f"{kind.value} {split.label()} (table 4): {table4.samples_per_s:.3f} samples/s")
         runs = BaselineRuns(table4=table4, routers_tried=tried_rules if len(rules) > 1 else {})
-        if sweep and kind is not DeploymentKind.COLOCATED:
+        if swept:
             best, runs.tried = best_static(
                 workload,
                 kind,
                 gpus,
                 kind_settings,
                 journal_dir=journal_dir,
-                progress=progress,
-                known={split: table4},
+                progress=say,
+                runs=kind_runs,
             )
             runs.sweep = best
             if best is not table4:
@@ -883,6 +1020,8 @@ def compare(
                 say(
                     f"{kind.value} {best.split.label()} (sweep): {best.samples_per_s:.3f} samples/s"
                 )
+        for rule_runs in by_rule.values():
+            rule_runs.forget_waiting()
         baselines[kind.value] = runs
     pivot_runs = baselines.pop(DeploymentKind.PIVOT.value, None)
     return Comparison(
