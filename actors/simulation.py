@@ -36,11 +36,12 @@ agents' engine calls, the shift events and the trainer's spans by ``pivot.actors
 from __future__ import annotations
 
 import contextlib
+import functools
 import multiprocessing
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Executor, Future, ProcessPoolExecutor
+from collections.abc import Callable, Container, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
@@ -780,10 +781,12 @@ class Comparison(msgspec.Struct, kw_only=True):
 class SplitRuns:
     """The runs of one deployment's splits in one regime (``settings``), each split run once.
 
-    Without a pool a split runs in this process when its result is asked for; with ``pool``
-    (worker processes) ``start`` submits it ahead, so that runs a sweep is about to need
-    overlap on the machine's cores. A run is deterministic (its own virtual clock and seeds),
-    so its result is the same wherever it ran; only ``wall_s`` differs."""
+    Without a pool a split runs in this process when its result is asked for. With ``pool``
+    (``jobs`` worker processes) up to ``jobs`` runs are under way at once: waiting for one,
+    ``result`` keeps the free workers busy with the split asked for and then with what
+    ``ahead`` says will be asked for next (a climb's look-ahead). A run is deterministic (its
+    own virtual clock and seeds), so its result is the same wherever it ran; only ``wall_s``
+    differs."""
 
     def __init__(
         self,
@@ -792,40 +795,53 @@ class SplitRuns:
         *,
         journal_dir: str | Path | None = None,
         pool: Executor | None = None,
+        jobs: int = 1,
         known: Mapping[Split, RunResult] | None = None,
     ) -> None:
         self.workload = workload
         self.settings = settings
         self.journal_dir = journal_dir
         self.pool = pool
+        self.jobs = jobs if pool is not None else 1
         self.done: dict[Split, RunResult] = dict(known or {})
         self._pending: dict[Split, Future[RunResult]] = {}
 
-    def start(self, split: Split, label: str = "sweep") -> None:
-        """Submit ``split``'s run to the pool unless it ran or runs already (no pool: no-op)."""
-        if self.pool is None or split in self.done or split in self._pending:
-            return
+    def start(self, split: Split, label: str = "sweep") -> bool:
+        """Submit ``split``'s run if a worker is free (no pool: never); whether it runs now
+        or ran before."""
+        if split in self.done or split in self._pending:
+            return True
+        if self.pool is None or len(self._pending) >= self.jobs:
+            return False
         self._pending[split] = self.pool.submit(
             _run_split, self.workload, split, self.settings, label, self.journal_dir
         )
+        return True
 
-    def result(self, split: Split, label: str = "sweep") -> RunResult:
+    def result(
+        self,
+        split: Split,
+        label: str = "sweep",
+        ahead: Callable[[], Sequence[Split]] | None = None,
+    ) -> RunResult:
         """``split``'s run: done before, waited for, or run now."""
-        if split not in self.done:
-            future = self._pending.pop(split, None)
-            if future is not None:
-                self.done[split] = future.result()
-            else:
+        if self.pool is None:
+            if split not in self.done:
                 self.done[split] = simulate(
                     self.workload, split, self.settings, label=label, journal_dir=self.journal_dir
                 )
+            return self.done[split]
+        while split not in self.done:
+            self.start(split, label)
+            for other in ahead() if ahead is not None else ():
+                if not self.start(other):
+                    break
+            finished, _ = wait(self._pending.values(), return_when=FIRST_COMPLETED)
+            for other, future in list(self._pending.items()):
+                if future in finished:
+                    del self._pending[other]
+                    self.done[other] = future.result()
         return self.done[split]
-
-    def forget_waiting(self) -> None:
-        """Cancel the submitted runs no worker has started (a climb that moved on)."""
-        for split, future in list(self._pending.items()):
-            if future.cancel():
-                del self._pending[split]
 
 
 def _run_split(
@@ -858,17 +874,20 @@ def best_static(
     devices between two pools) in order and moves to the first that beats the split it is
     at, until none does: deterministic, and a local optimum of the grid. ``known``: runs
     already done (Table 4's), reused. ``runs``: where the splits run (``SplitRuns``; default
-    one after another in this process); with a pool, every neighbour of the split the climb
-    is at is started at once and read in order, so the climb and its result are the same."""
+    one after another in this process); with worker processes the climb reads the runs in
+    the same order while the workers run ahead (``climb_ahead``), so the climb and its
+    result are the same."""
     grid = sweep_splits(kind, gpus, workload.replica_sizes())
     runs = runs or SplitRuns(workload, settings, journal_dir=journal_dir)
     for split, result in (known or {}).items():
         runs.done.setdefault(split, result)
-    announced = set(runs.done)  # runs done before the climb: no progress line
+    announced = set(known or {})  # runs done before the climb: no progress line
     tried: list[dict[str, Any]] = []
+    here = table4_split(kind, gpus, workload.replica_sizes())
+    candidates = neighbours(here, grid)
 
-    def run(split: Split) -> RunResult:
-        result = runs.result(split)
+    def run(split: Split, rest: Sequence[Split]) -> RunResult:
+        result = runs.result(split, ahead=lambda: climb_ahead(grid, runs.done, rest, runs.jobs))
         if progress is not None and split not in announced:
             announced.add(split)
             progress(f"  sweep {kind.value} {split.label()}: {result.samples_per_s:.3f} samples/s")
@@ -876,25 +895,36 @@ def best_static(
             tried.append({"split": split.label(), "samples_per_s": round(result.samples_per_s, 6)})
         return result
 
-    here = table4_split(kind, gpus, workload.replica_sizes())
-    candidates = neighbours(here, grid)
-    runs.start(here)
-    for other in candidates:
-        runs.start(other)
-    best = run(here)
+    best = run(here, candidates)
     moved = True
     while moved:
         moved = False
-        for other in candidates:
-            runs.start(other)
-        for other in candidates:
-            result = run(other)
+        for i, other in enumerate(candidates):
+            result = run(other, candidates[i:])
             if result.samples_per_s > best.samples_per_s:
                 here, best, moved = other, result, True
                 break
-        runs.forget_waiting()
         candidates = neighbours(here, grid)
     return best, tried
+
+
+def climb_ahead(
+    grid: Sequence[Split], done: Container[Split], candidates: Sequence[Split], depth: int
+) -> list[Split]:
+    """The splits a climb may read next, most likely first, for workers to run ahead: from
+    the candidates left at the split it is at (``candidates``, in the climb's order), the
+    first one not run yet, then the first not run yet among that one's neighbours (as if it
+    won: a climb tends to keep going the way it moved), ``depth`` deep; then the other
+    candidates left."""
+    out: list[Split] = []
+    level = list(candidates)
+    while len(out) < depth:
+        fresh = [c for c in level if c not in done and c not in out]
+        if not fresh:
+            break
+        out.append(fresh[0])
+        level = neighbours(fresh[0], grid)
+    return out + [c for c in candidates if c not in done and c not in out]
 
 
 def compare(
@@ -938,6 +968,7 @@ def compare(
             done=on_run or (lambda _: None),
             baseline_routers=baseline_routers,
             pool=pool,
+            jobs=jobs,
         )
 
 
@@ -966,6 +997,7 @@ def _compare(
     done: Callable[[RunResult], None],
     baseline_routers: Sequence[str] | None,
     pool: Executor | None,
+    jobs: int,
 ) -> Comparison:
     baselines: dict[str, BaselineRuns] = {}
     chosen: dict[str, SimulationSettings] = {}
@@ -981,21 +1013,24 @@ def _compare(
                 msgspec.structs.replace(settings, baseline_router=rule),
                 journal_dir=journal_dir,
                 pool=pool,
+                jobs=jobs,
             )
             for rule in rules
         }
         for rule_runs in by_rule.values():
             rule_runs.start(split, "table4")
+        kind_runs = by_rule[rules[0]]
+        ahead = None
         if swept and len(rules) == 1:
-            # the climb's first candidates do not wait for Table 4's run
+            # one rule: the climb's first candidates need not wait for Table 4's run
             grid = sweep_splits(kind, gpus, workload.replica_sizes())
-            for other in neighbours(split, grid):
-                by_rule[rules[0]].start(other)
+            ahead = functools.partial(
+                climb_ahead, grid, kind_runs.done, neighbours(split, grid), jobs
+            )
         table4: RunResult | None = None
         tried_rules: dict[str, float] = {}
-        kind_runs = by_rule[rules[0]]
         for rule, rule_runs in by_rule.items():
-            run = rule_runs.result(split, "table4")
+            run = rule_runs.result(split, "table4", ahead=ahead)
             tried_rules[rule] = round(run.samples_per_s, 6)
             if table4 is None or run.samples_per_s > table4.samples_per_s:
                 table4, kind_runs, chosen[kind.value] = run, rule_runs, rule_runs.settings
@@ -1012,6 +1047,7 @@ def _compare(
                 kind_settings,
                 journal_dir=journal_dir,
                 progress=say,
+                known={split: table4},
                 runs=kind_runs,
             )
             runs.sweep = best
@@ -1020,8 +1056,6 @@ def _compare(
                 say(
                     f"{kind.value} {best.split.label()} (sweep): {best.samples_per_s:.3f} samples/s"
                 )
-        for rule_runs in by_rule.values():
-            rule_runs.forget_waiting()
         baselines[kind.value] = runs
     pivot_runs = baselines.pop(DeploymentKind.PIVOT.value, None)
     return Comparison(
