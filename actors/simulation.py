@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import multiprocessing
+import signal
 import tempfile
 import time
 from collections.abc import Callable, Container, Mapping, Sequence
@@ -955,7 +956,9 @@ def compare(
         pool = None
         if jobs > 1 and sweep:
             # fork: a worker starts with the modules loaded (a simulation holds no threads)
-            pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"))
+            pool = ProcessPoolExecutor(
+                jobs, mp_context=multiprocessing.get_context("fork"), initializer=_worker_signals
+            )
             stack.callback(_stop_pool, pool)
         return _compare(
             workload,
@@ -980,9 +983,17 @@ def _stop_pool(pool: ProcessPoolExecutor) -> None:
     pool.shutdown(wait=False, cancel_futures=True)
     for worker in workers:
         if worker.is_alive():
-            worker.terminate()
+            worker.kill()
     for worker in workers:
         worker.join()
+
+
+def _worker_signals() -> None:
+    """A worker leaves signals to its parent: Ctrl-C reaches the whole process group, and
+    the parent, interrupted, stops its workers; a handler the parent installed (``pivot``
+    turns SIGTERM into an exception) must not keep a stopped worker running."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _compare(
