@@ -37,11 +37,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import multiprocessing
 import signal
 import tempfile
 import time
-from collections.abc import Callable, Container, Mapping, Sequence
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
@@ -705,11 +706,30 @@ def simulate(
             return await _simulate(clock, workload, split, settings, path)
 
         try:
-            result = run_virtual(main, seed=settings.seed)
+            with _fewer_collections():
+                result = run_virtual(main, seed=settings.seed)
         except DeploymentError as exc:
             raise SimulationError(str(exc)) from exc
     result.label = label
     return result
+
+
+#: the cyclic collector's thresholds during a run (Python's default: 700, 10, 10)
+RUN_GC_THRESHOLDS = (100_000, 50, 100)
+
+
+@contextlib.contextmanager
+def _fewer_collections() -> Iterator[None]:
+    """Collect cyclic garbage less often while a run goes: it makes and drops millions of
+    short-lived objects (futures, handles, frames, messages), and at the default threshold
+    a young collection every 700 of them cost 9% of a 256-device run's CPU (38.5 -> 34.9 s,
+    the same peak memory). Results do not depend on when garbage is collected."""
+    before = gc.get_threshold()
+    gc.set_threshold(*RUN_GC_THRESHOLDS)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*before)
 
 
 def _slug(text: str) -> str:
