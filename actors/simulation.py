@@ -972,27 +972,35 @@ def compare(
     beside Table 4's run (``SplitRuns``); the comparison is the same as with one."""
     if jobs < 1:
         raise SimulationError(f"jobs must be >= 1, got {jobs}")
-    with contextlib.ExitStack() as stack:
-        pool = None
-        if jobs > 1 and sweep:
-            # fork: a worker starts with the modules loaded (a simulation holds no threads)
-            pool = ProcessPoolExecutor(
-                jobs, mp_context=multiprocessing.get_context("fork"), initializer=_worker_signals
-            )
-            stack.callback(_stop_pool, pool)
-        return _compare(
-            workload,
-            gpus,
-            settings,
-            kinds=[DeploymentKind(k) for k in (deployments or list(DeploymentKind))],
-            sweep=sweep,
-            journal_dir=journal_dir,
-            say=progress or (lambda _: None),
-            done=on_run or (lambda _: None),
-            baseline_routers=baseline_routers,
-            pool=pool,
-            jobs=jobs,
-        )
+    return _compare(
+        workload,
+        gpus,
+        settings,
+        kinds=[DeploymentKind(k) for k in (deployments or list(DeploymentKind))],
+        sweep=sweep,
+        journal_dir=journal_dir,
+        say=progress or (lambda _: None),
+        done=on_run or (lambda _: None),
+        baseline_routers=baseline_routers,
+        jobs=jobs if sweep else 1,
+    )
+
+
+@contextlib.contextmanager
+def _workers(jobs: int) -> Iterator[ProcessPoolExecutor | None]:
+    """``jobs`` worker processes (None for one: runs stay in this process), stopped on exit
+    with the runs they still have (``_stop_pool``)."""
+    if jobs <= 1:
+        yield None
+        return
+    # fork: a worker starts with the modules loaded (a simulation holds no threads)
+    pool = ProcessPoolExecutor(
+        jobs, mp_context=multiprocessing.get_context("fork"), initializer=_worker_signals
+    )
+    try:
+        yield pool
+    finally:
+        _stop_pool(pool)
 
 
 def _stop_pool(pool: ProcessPoolExecutor) -> None:
@@ -1027,67 +1035,17 @@ def _compare(
     say: Callable[[str], None],
     done: Callable[[RunResult], None],
     baseline_routers: Sequence[str] | None,
-    pool: Executor | None,
     jobs: int,
 ) -> Comparison:
     baselines: dict[str, BaselineRuns] = {}
     chosen: dict[str, SimulationSettings] = {}
     for kind in kinds:
-        split = table4_split(kind, gpus, workload.replica_sizes())
-        rules = [settings.baseline_router]
-        if kind is not DeploymentKind.PIVOT and baseline_routers:
-            rules = list(baseline_routers)
-        swept = sweep and kind is not DeploymentKind.COLOCATED
-        by_rule = {
-            rule: SplitRuns(
-                workload,
-                msgspec.structs.replace(settings, baseline_router=rule),
-                journal_dir=journal_dir,
-                pool=pool,
-                jobs=jobs,
-            )
-            for rule in rules
-        }
-        for rule_runs in by_rule.values():
-            rule_runs.start(split, "table4")
-        kind_runs = by_rule[rules[0]]
-        ahead = None
-        if swept and len(rules) == 1:
-            # one rule: the climb's first candidates need not wait for Table 4's run
-            grid = sweep_splits(kind, gpus, workload.replica_sizes())
-            ahead = functools.partial(
-                climb_ahead, grid, kind_runs.done, neighbours(split, grid), jobs
-            )
-        table4: RunResult | None = None
-        tried_rules: dict[str, float] = {}
-        for rule, rule_runs in by_rule.items():
-            run = rule_runs.result(split, "table4", ahead=ahead)
-            tried_rules[rule] = round(run.samples_per_s, 6)
-            if table4 is None or run.samples_per_s > table4.samples_per_s:
-                table4, kind_runs, chosen[kind.value] = run, rule_runs, rule_runs.settings
-        assert table4 is not None
-        kind_settings = chosen[kind.value]
-        done(table4)  # before the line: a run the line announces is one Ctrl-C keeps
-        say(f"{kind.value} {split.label()} (table 4): {table4.samples_per_s:.3f} samples/s")
-        runs = BaselineRuns(table4=table4, routers_tried=tried_rules if len(rules) > 1 else {})
-        if swept:
-            best, runs.tried = best_static(
-                workload,
-                kind,
-                gpus,
-                kind_settings,
-                journal_dir=journal_dir,
-                progress=say,
-                known={split: table4},
-                runs=kind_runs,
-            )
-            runs.sweep = best
-            if best is not table4:
-                done(best)
-                say(
-                    f"{kind.value} {best.split.label()} (sweep): {best.samples_per_s:.3f} samples/s"
-                )
-        baselines[kind.value] = runs
+        # a pool per deployment: what one ran ahead and no longer needs stops with it
+        with _workers(jobs) as pool:
+            baselines[kind.value] = _deployment_runs(
+                workload, gpus, settings, kind, sweep, journal_dir, say, done, baseline_routers,
+                pool, jobs, chosen,
+            )  # fmt: skip
     pivot_runs = baselines.pop(DeploymentKind.PIVOT.value, None)
     return Comparison(
         workload=workload.config.name,
@@ -1100,6 +1058,75 @@ def _compare(
         pivot_runs=pivot_runs,
         routers={k.value: _policies(_routers(k, chosen[k.value])) for k in kinds},
     )
+
+
+def _deployment_runs(
+    workload: Workload,
+    gpus: int,
+    settings: SimulationSettings,
+    kind: DeploymentKind,
+    sweep: bool,
+    journal_dir: str | Path | None,
+    say: Callable[[str], None],
+    done: Callable[[RunResult], None],
+    baseline_routers: Sequence[str] | None,
+    pool: Executor | None,
+    jobs: int,
+    chosen: dict[str, SimulationSettings],
+) -> BaselineRuns:
+    """One deployment's runs at Table 4's split (each routing rule) and its sweep; the
+    settings it keeps go to ``chosen``."""
+    split = table4_split(kind, gpus, workload.replica_sizes())
+    rules = [settings.baseline_router]
+    if kind is not DeploymentKind.PIVOT and baseline_routers:
+        rules = list(baseline_routers)
+    swept = sweep and kind is not DeploymentKind.COLOCATED
+    by_rule = {
+        rule: SplitRuns(
+            workload,
+            msgspec.structs.replace(settings, baseline_router=rule),
+            journal_dir=journal_dir,
+            pool=pool,
+            jobs=jobs,
+        )
+        for rule in rules
+    }
+    for rule_runs in by_rule.values():
+        rule_runs.start(split, "table4")
+    kind_runs = by_rule[rules[0]]
+    ahead = None
+    if swept and len(rules) == 1:
+        # one rule: the climb's first candidates need not wait for Table 4's run
+        grid = sweep_splits(kind, gpus, workload.replica_sizes())
+        ahead = functools.partial(climb_ahead, grid, kind_runs.done, neighbours(split, grid), jobs)
+    table4: RunResult | None = None
+    tried_rules: dict[str, float] = {}
+    for rule, rule_runs in by_rule.items():
+        run = rule_runs.result(split, "table4", ahead=ahead)
+        tried_rules[rule] = round(run.samples_per_s, 6)
+        if table4 is None or run.samples_per_s > table4.samples_per_s:
+            table4, kind_runs, chosen[kind.value] = run, rule_runs, rule_runs.settings
+    assert table4 is not None
+    kind_settings = chosen[kind.value]
+    done(table4)  # before the line: a run the line announces is one Ctrl-C keeps
+    say(f"{kind.value} {split.label()} (table 4): {table4.samples_per_s:.3f} samples/s")
+    runs = BaselineRuns(table4=table4, routers_tried=tried_rules if len(rules) > 1 else {})
+    if swept:
+        best, runs.tried = best_static(
+            workload,
+            kind,
+            gpus,
+            kind_settings,
+            journal_dir=journal_dir,
+            progress=say,
+            known={split: table4},
+            runs=kind_runs,
+        )
+        runs.sweep = best
+        if best is not table4:
+            done(best)
+            say(f"{kind.value} {best.split.label()} (sweep): {best.samples_per_s:.3f} samples/s")
+    return runs
 
 
 HORIZONS = (5.0, 10.0, 20.0, 30.0, 60.0, 90.0)  # the authors' recommended sweep (Figure 14)
