@@ -4,7 +4,7 @@ against the colocated, disaggregated and rollout-reward colocated deployments.
     pivot simulate CONFIG [--deployment D] [--gpus N] [--steps K] [--warmup W] [--seed S]
                           [--json] [--run-dir DIR] [--horizon H] [--ablation A ...]
                           [--study horizon|ablation] [--no-sweep] [--baseline-router R]
-                          [--prior-itl-scale ROLE=X ...]
+                          [--prior-itl-scale ROLE=X ...] [--jobs J]
 
 Steady state: every run does W warm-up steps, reported apart, then K measured steps; its
 throughput is the measured steps' samples over the window from the end of the last warm-up
@@ -13,7 +13,9 @@ throughput-optimal, reward lowest-ITL); each baseline by the rule that serves it
 paper's or round-robin, as its Table 4 split measures them (``--baseline-router``); the
 rules are stated per run. Every static baseline (and PivotRL's trainer pool) runs at the
 seed's Table 4 split scaled to N devices and at the best split a hill-climb over the sweep
-grid finds, in the same regime (``--no-sweep``: Table 4 only); PivotRL's speedup over a
+grid finds, in the same regime (``--no-sweep``: Table 4 only; ``--jobs``: worker processes,
+default one more than the CPUs it may use, running a sweep's next candidates side by side
+with the same result); PivotRL's speedup over a
 baseline is against the better of the two. For the run each comparison uses (PivotRL's best,
 each baseline's best) it prints the fraction of the physical bounds reached by the measured
 steps, from the first one's start (work-conserving, critical-path, combined: ``pivot.bounds``) and the time account
@@ -40,6 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -73,6 +76,14 @@ ABLATION_NAMES = (
 # better one (measured: neither serves every baseline best)
 ROUTER_RULES = ("paper", "round_robin")
 ROUTER_CHOICES = ("best", *ROUTER_RULES)
+
+
+def default_jobs() -> int:
+    """One more worker than the CPUs this process may use: a climb's next run and the two
+    it may read after it (``climb_ahead``) run side by side, so that a sweep that moves once
+    and stops (Table 4's split, one neighbour, that one's neighbour) takes about one and a
+    half runs of time on two cores instead of two."""
+    return len(os.sched_getaffinity(0)) + 1
 
 
 def role_scale(text: str) -> tuple[str, float]:
@@ -150,6 +161,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="ROLE=X",
         help="the planner's prior cost model is ROLE's true ITL times X (repeatable): "
         "a wrong prior for the online refit to correct",
+    )
+    p.add_argument(
+        "--jobs",
+        type=positive,
+        default=None,
+        help="worker processes for a comparison's runs: a sweep's next candidates run side "
+        "by side, the same result (default: one more than the CPUs this process may use; "
+        "1: one run at a time, in process)",
     )
     p.add_argument("--no-plot", action="store_true", help="skip the plots")
     p.add_argument("--no-wall", action="store_true", help="print wall_s as null")
@@ -234,6 +253,7 @@ def main(args: argparse.Namespace) -> int:
                 journal_dir=journals,
                 progress=progress,
                 on_run=finished.append,
+                jobs=args.jobs or default_jobs(),
             )
             results = comparison.runs()
             report = _comparison_report(comparison, args)

@@ -17,6 +17,7 @@ from toy import ITL, toy_workload
 
 from pivot.actors.simulation import (
     SimulationSettings,
+    compare,
     simulate,
     simulated_cluster,
 )
@@ -527,6 +528,25 @@ def test_the_sweep_climbs_to_the_whole_cluster_when_throughput_still_rises(monke
     assert [t["split"] for t in tried] == [f"shared{32 - t}/pool{t}" for t in pools]
     # every split in the full regime, each once
     assert ran == [(t, 3, 6) for t in pools]
+
+
+def test_a_sweep_in_worker_processes_climbs_as_one_in_process(tmp_path):
+    # the runs of a sweep side by side in two processes (the candidates of a split started
+    # at once, read in order): the same climb, the same best split, the same figures
+    workload = _busy_toy(tmp_path)
+    settings = SimulationSettings(steps=1)
+
+    def climb(jobs: int):
+        comparison = compare(
+            workload, 6, settings, deployments=["disaggregated"], jobs=jobs,
+            journal_dir=tmp_path / f"jobs{jobs}",
+        )  # fmt: skip
+        runs = comparison.baselines["disaggregated"]
+        return runs.tried, [r.summary() for r in comparison.runs()]
+
+    serial, parallel = climb(1), climb(2)
+    assert len(serial[0]) > 2  # the climb moved and tried several neighbours
+    assert parallel == serial
 
 
 def test_pivot_runs_with_every_device_in_its_trainer_pool(tmp_path):
