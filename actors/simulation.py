@@ -697,7 +697,11 @@ def simulate(
         else:
             folder = Path(journal_dir)
             folder.mkdir(parents=True, exist_ok=True)
-        name = "-".join(_slug(p) for p in (split.kind.value, split.label(), label) if p)
+        # the routing rule too: a baseline's Table 4 split runs under each rule side by side
+        # in worker processes, and two runs on one journal would recover each other's shifts
+        rule = settings.baseline_router if split.kind is not DeploymentKind.PIVOT else ""
+        parts = (split.kind.value, split.label(), label, rule)
+        name = "-".join(_slug(p) for p in parts if p)
         path = folder / f"journal-{name}.bin"
         if path.exists():
             path.unlink()  # a fresh run: an old journal would be recovered as this one's
