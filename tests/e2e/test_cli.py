@@ -1,5 +1,7 @@
 """The `pivot` command as a user meets it: help, version, and bad input named. Real jobs:
-test_run.py."""
+test_run.py. The process's own exit path (argparse, `sys.exit(main())`) is checked through a
+real interpreter; bad input that the command names before any child starts is checked by
+calling `main` in this process, the same code without an interpreter's start-up each."""
 
 from __future__ import annotations
 
@@ -25,25 +27,30 @@ def test_help_and_version():
     assert out.returncode == 0 and out.stdout.startswith("pivot ")
 
 
-def test_bad_flag_and_bad_config_are_named(tmp_path):
+def test_bad_flag_and_bad_config_are_named(tmp_path, capsys):
+    from pivot.cli.main import main
+
     out = _pivot("run", "--no-such-flag")
     assert out.returncode == 2 and "--no-such-flag" in out.stderr
     bad = tmp_path / "bad.toml"
     bad.write_text("steps = 3\n[cluster]\ndevices = 'four'\n")
+    # a config error, through the real exit path
     out = _pivot("run", str(bad))
     assert out.returncode == 2
     assert f"{bad}: key 'cluster.devices': expected int, found str 'four'" in out.stderr
     missing_model = tmp_path / "m.toml"
     missing_model.write_text("[model]\npolicy = 'no-such-model'\n")
-    out = _pivot("run", str(missing_model))
-    assert out.returncode == 2 and "model.policy" in out.stderr and "no-such-model" in out.stderr
+    assert main(["run", str(missing_model)]) == 2
+    err = capsys.readouterr().err
+    assert "model.policy" in err and "no-such-model" in err
 
 
-def test_a_model_folder_pivot_cannot_serve_is_named_before_any_child_starts(tmp_path):
+def test_a_model_folder_pivot_cannot_serve_is_named_before_any_child_starts(tmp_path, capsys):
     import json
     import shutil
 
     from pivot.assets import ASSETS
+    from pivot.cli.main import main
 
     unknown = tmp_path / "unknown"
     shutil.copytree(ASSETS / "tiny-policy", unknown)
@@ -91,22 +98,26 @@ def test_a_model_folder_pivot_cannot_serve_is_named_before_any_child_starts(tmp_
         job = tmp_path / f"{folder.name}.toml"
         job.write_text(f"[model]\npolicy = '{folder}'\n")
         run_dir = tmp_path / f"run-{folder.name}"
-        out = _pivot("run", str(job), "--run-dir", str(run_dir))
-        assert out.returncode == 2, out.stderr
-        [line] = out.stderr.splitlines()
+        code = main(["run", str(job), "--run-dir", str(run_dir)])
+        err = capsys.readouterr().err
+        assert code == 2, err
+        [line] = err.splitlines()
         assert where in line and what in line, line
         assert not run_dir.exists()  # nothing started, nothing written
 
 
-def test_bad_data_is_named_with_exit_code_2_before_any_child_starts(tmp_path):
+def test_bad_data_is_named_with_exit_code_2_before_any_child_starts(tmp_path, capsys):
+    from pivot.cli.main import main
+
     data = tmp_path / "train.jsonl"
     data.write_text('{"question": "1+1="}\n{"prompt": "2+2="}\n')
     job = tmp_path / "job.toml"
     job.write_text("[data]\ntrain = 'train.jsonl'\nprompt_key = 'question'\n")
     run_dir = tmp_path / "run"
-    out = _pivot("run", str(job), "--run-dir", str(run_dir))
-    assert out.returncode == 2, out.stderr
-    [line] = out.stderr.splitlines()
+    code = main(["run", str(job), "--run-dir", str(run_dir)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    [line] = err.splitlines()
     assert f"{data}:2: key 'question': expected the prompt field (the record has prompt)" in line
     assert not run_dir.exists()
 

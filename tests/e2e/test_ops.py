@@ -48,8 +48,15 @@ async def _watch(run_dir: Path) -> tuple[EventSnapshot, list]:
         snapshot = await job.actor.request(
             MONITOR, QueryEvents(), expect=EventSnapshot, timeout=30.0
         )
-        await asyncio.sleep(2.0)  # a few of the monitor's 0.5 s batches
-        return snapshot, [pub.message for pub in live.drain()]
+        # the monitor's 0.5 s batches, until one carries a role's rate (or 30 s)
+        batches: list = []
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline and not any(
+            isinstance(r, RoleRate) for b in batches for r in getattr(b, "events", ())
+        ):
+            await asyncio.sleep(0.1)
+            batches += [pub.message for pub in live.drain()]
+        return snapshot, batches
 
 
 def test_ps_stop_and_logs_on_a_running_job(tmp_path, capsys, monkeypatch):

@@ -454,6 +454,7 @@ def test_spec_rejects_unsupported_configs():
 def test_threads_setting(folder):
     before = torch.get_num_threads()
     try:
+        torch.set_num_threads(2)  # the suite runs one thread (conftest): start elsewhere
         TorchEngine.from_pretrained(folder, threads=1)
         assert torch.get_num_threads() == 1
     finally:
