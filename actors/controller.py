@@ -29,8 +29,9 @@
   replicas with nothing to run until the step ends; the Controller cuts their routing and
   offers them to the trainer (``HelpTrainer``), routes to those it did not take again at once
   and to the others when the trainer says the step is over (``HelpEnded``, before the step's
-  reply), or when it sees the step over. While helpers are out it plans no shift: no
-  inference work exists then (``pivot.planning.helpers``).
+  reply), or when it sees the step over. While helpers are out it plans no shift, so that no
+  migration sends a helper work (what is left then is the batch tails: measured, the
+  helpers gain more than the planner's moves of the tails).
 
 It publishes ``ShiftStarted``, ``ShiftFinished`` and ``AllocationChanged`` on ``shift``.
 Requests it serves: ``QueryAllocation``, ``TrainerPhaseChanged``, ``BatchForecast``,

@@ -30,31 +30,41 @@ def test_a_helper_shares_the_remaining_work_and_pays_its_join_and_the_reduce():
     assert slow.end() == pytest.approx(31.0 + 1.0 + 9.0)
 
 
-def idle(trainer=TrainerPhase.TRAINING, running=0, **kw):
+def idle(trainer=TrainerPhase.TRAINING, ro0=0, rm1=0, **kw):
     reps = (
-        replica("ro0", Role.ROLLOUT, (0,), running=running),
+        replica("ro0", Role.ROLLOUT, (0,), running=ro0),
         replica("ro1", Role.ROLLOUT, (1,)),
         replica("rm0", Role.REWARD, range(4, 8)),
+        replica("rm1", Role.REWARD, range(8, 12), running=rm1),
         training(SPEC),
     )
     return snapshot(*reps, trainer=trainer, **kw)
 
 
+def offered(snap, planner=None, **kw):
+    planner = planner or Planner(SPEC, MODELS)
+    return [r.id for r in planner.helpers(msgspec.structs.replace(snap, **kw))]
+
+
 def test_the_planner_offers_idle_replicas_only_to_a_backend_that_takes_helpers():
+    takes = {"trainer_takes_helpers": True}
+    assert offered(idle(), **takes) == ["ro0", "ro1", "rm0", "rm1"]
     planner = Planner(SPEC, MODELS)
-    takes = msgspec.structs.replace(idle(), trainer_takes_helpers=True)
-    assert [r.id for r in planner.helpers(takes)] == ["ro0", "ro1", "rm0"]
-    assert [r.id for r in planner.helpers(takes, helping={"ro1"})] == ["ro0", "rm0"]
+    helping = planner.helpers(msgspec.structs.replace(idle(), **takes), helping={"ro1"})
+    assert [r.id for r in helping] == ["ro0", "rm0", "rm1"]
     # a backend that cannot take helpers (DeepSpeed's) is never offered any
-    assert planner.helpers(idle()) == ()
-    # nor while any inference work exists, the trainer does not train, or with the mechanism off
+    assert offered(idle()) == []
+    # an idle rollout replica helps beside a rollout tail; reward only once rollout is done
+    assert offered(idle(ro0=1), **takes) == ["ro1"]
+    assert offered(idle(rm1=1), **takes) == ["ro0", "ro1", "rm0"]
+    assert offered(idle(reward_queue=(1, 100)), **takes) == ["ro0", "ro1"]
+    # none while the rollout queue holds work, the trainer does not train, a shift is in
+    # flight, or with the mechanism off
     for snap in (
-        idle(running=1),
         idle(rollout_queue=(1, 100)),
-        idle(reward_queue=(1, 100)),
         idle(trainer=TrainerPhase.WAITING),
         idle(shift_in_flight=True),
     ):
-        assert planner.helpers(msgspec.structs.replace(snap, trainer_takes_helpers=True)) == ()
+        assert offered(snap, **takes) == []
     off = Planner(SPEC, MODELS, PlannerSettings(gradient_helpers=False))
-    assert off.helpers(takes) == ()
+    assert offered(idle(), off, **takes) == []
