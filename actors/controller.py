@@ -26,10 +26,10 @@
   that with the time the last reclaim of the pool took, so the planner can reclaim it early.
 * Gradient helpers: while the trainer trains (seen so at two ticks in a row, so that a batch
   the step's start admitted is in the queues), the planner's ``helpers`` names the inference
-  replicas with nothing to run until the step ends; the Controller cuts their routing and
-  offers them to the trainer (``HelpTrainer``), routes to those it did not take again at once
-  and to the others when the trainer says the step is over (``HelpEnded``, before the step's
-  reply), or when it sees the step over. While helpers are out it plans no shift, so that no
+  replicas with nothing to run until the step ends; the Controller offers them to the trainer
+  (``HelpTrainer``), cuts the routing to those it took, and routes to them again when the
+  trainer says the step is over (``HelpEnded``, before the step's reply), or when it sees the
+  step over; a restore that fails is sent again at every tick (``helping`` names both). While helpers are out it plans no shift, so that no
   migration sends a helper work (what is left then is the batch tails: measured, the
   helpers gain more than the planner's moves of the tails).
 
@@ -254,6 +254,7 @@ class Controller(Actor):
         self._retiring: set[str] = set()  # replicas taken out, freed once no shift is in flight
         self._unconfirmed: set[int] = set()  # lost devices whose process was not seen to die
         self._helping: dict[str, Role] = {}  # gradient helpers out, routing cut: replica -> role
+        self._unrestored: dict[str, Role] = {}  # helpers back whose RestoreRoute failed
         self._was_training = False  # the trainer trained at the last snapshot
         self._takes_helpers = False  # the trainer's backend takes gradient helpers
         self.helpers_joined = 0  # replicas the trainer took as gradient helpers
@@ -381,9 +382,18 @@ class Controller(Actor):
             await self.execute(decision.plan, decision.reason)
         return decision
 
+    @property
+    def helping(self) -> frozenset[str]:
+        """The replicas whose routing is cut for gradient helping: out, or back with their
+        routing not restored yet."""
+        return frozenset(self._helping) | frozenset(self._unrestored)
+
     async def _gradient_helpers(self, snapshot: ClusterSnapshot) -> bool:
         """Offer the replicas the planner names to the step in flight, and route to helpers
         again once it is over; whether helpers are out (then no shift is planned)."""
+        for replica, role in list(self._unrestored.items()):
+            if await self._send(RestoreRoute(role, replica)):
+                del self._unrestored[replica]
         training = snapshot.trainer is TrainerPhase.TRAINING
         was, self._was_training = self._was_training, training
         if not training:
@@ -395,39 +405,36 @@ class Controller(Actor):
         return bool(self._helping)
 
     async def _offer_helpers(self, offered: Sequence[ReplicaState]) -> None:
+        """Offer first, cut the routing to those taken after: nothing can reach them before
+        the step ends (``pivot.planning.helpers``), and a replica the step does not take is
+        never cut. A cut that fails leaves the helper routable, and still helping."""
         assert self.trainer is not None
-        cut = []
-        for r in offered:
+        helpers = [GradientHelper(r.id, r.role.value, list(r.devices)) for r in offered]
+        for r in offered:  # (a HelpEnded that overtakes the reply finds them)
             self._helping[r.id] = r.role
-            if await self._send(CutRoute(r.role, r.id)):
-                cut.append(r)
-            else:
-                self._helping.pop(r.id)
-        reply = None
-        if cut:
-            helpers = [GradientHelper(r.id, r.role.value, list(r.devices)) for r in cut]
-            reply = await self._ask(
-                self.trainer,
-                HelpTrainer(helpers=helpers),
-                Helping,
-                self.settings.command_timeout_s,
-            )
+        reply = await self._ask(
+            self.trainer, HelpTrainer(helpers=helpers), Helping, self.settings.command_timeout_s
+        )
         taken = set(reply.replicas) if reply is not None else set()
-        await self._helpers_back([r.id for r in cut if r.id not in taken])
+        for r in offered:
+            if r.id not in taken:
+                self._helping.pop(r.id, None)
+            elif r.id in self._helping:
+                await self._send(CutRoute(r.role, r.id))
         if taken:
             self.helpers_joined += len(taken)
             self.log.info(
                 "gradient helpers joined",
                 replicas=len(taken),
-                devices=sum(len(r.devices) for r in cut if r.id in taken),
+                devices=sum(len(r.devices) for r in offered if r.id in taken),
             )
 
     async def _helpers_back(self, replicas: Sequence[str]) -> None:
         """Route to these helpers again (those still out; idempotent)."""
         for replica in replicas:
             role = self._helping.pop(replica, None)
-            if role is not None:
-                await self._send(RestoreRoute(role, replica))
+            if role is not None and not await self._send(RestoreRoute(role, replica)):
+                self._unrestored[replica] = role
 
     def _log_lending(self) -> None:
         """Each step the planner timed with its pool lent or kept, once (a stage policy times
