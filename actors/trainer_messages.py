@@ -112,16 +112,6 @@ class TrainerStatus(RLMessage, kw_only=True):
     takes_helpers: bool = False
 
 
-class TrainerState(RLMessage, kw_only=True):
-    """Published on topic ``trainer`` whenever the state changes (lossy, for monitors and
-    the planner: the trainer pool may lend devices only while it is not training)."""
-
-    name: str
-    state: TrainerStateName
-    version: int
-    last_step_s: float = 0.0
-
-
 class GradientHelper(msgspec.Struct, frozen=True):
     """An inference replica offered to the step in flight: its id, role and devices."""
 
@@ -150,3 +140,14 @@ class HelpEnded(RLMessage, kw_only=True):
     ended; route to them again."""
 
     replicas: list[str]
+
+
+class TrainerState(RLMessage, kw_only=True):
+    """Published on topic ``trainer`` whenever the state changes (lossy, for monitors and
+    the planner: the trainer pool may lend devices only while it is not training)."""
+
+    name: str
+    state: TrainerStateName
+    version: int
+    last_step_s: float = 0.0
+
