@@ -150,4 +150,3 @@ class TrainerState(RLMessage, kw_only=True):
     state: TrainerStateName
     version: int
     last_step_s: float = 0.0
-
