@@ -1,7 +1,6 @@
 """Feeding a run's time account (``pivot.account.Ledger``) from the actors: every engine call
 of a simulated agent (``FastForward``'s ``on_segment``), the Controller's shift events (who is
-in transit, who holds which device after each shift) and the trainer's training spans, with
-its gradient helpers' (in transit while they join and return, training while they compute).
+in transit, who holds which device after each shift) and the trainer's training spans.
 
 The same events exist in a real job (agents' load reports, the same shift events, the
 trainer's spans), so a real job's account can be fed through the same ``Ledger``.
@@ -87,7 +86,9 @@ class DeviceMeter:
         devices = self.deployment.trainer_devices
         for span in spans:
             self.ledger.training(devices, span.start, span.end)
-            for h in span.helpers:  # gradient helpers: training while they compute
+            # its gradient helpers: in transit while they join and return, training while
+            # they compute
+            for h in span.helpers:
                 self.ledger.transit(h.devices, h.joined_at, h.ready_at)
                 self.ledger.training(h.devices, h.ready_at, h.reduced_at)
                 self.ledger.transit(h.devices, h.reduced_at, h.back_at)
