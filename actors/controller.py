@@ -24,9 +24,18 @@
   a batch is ready (see ``trainer_phase`` for how its state maps to the planner's phase);
   ``BatchForecast`` from the driver says when the next one will be, and the snapshot carries
   that with the time the last reclaim of the pool took, so the planner can reclaim it early.
+* Gradient helpers: while the trainer trains (seen so at two ticks in a row, so that a batch
+  the step's start admitted is in the queues), the planner's ``helpers`` names the inference
+  replicas with nothing to run until the step ends; the Controller offers them to the trainer
+  (``HelpTrainer``), cuts the routing to those it took, and routes to them again when the
+  trainer says the step is over (``HelpEnded``, before the step's reply), or when it sees the
+  step over; a restore that fails is sent again at every tick (``helping`` names both). While helpers are out it plans no shift, so that no
+  migration sends a helper work (what is left then is the batch tails: measured, the
+  helpers gain more than the planner's moves of the tails).
 
 It publishes ``ShiftStarted``, ``ShiftFinished`` and ``AllocationChanged`` on ``shift``.
-Requests it serves: ``QueryAllocation``, ``TrainerPhaseChanged``, ``BatchForecast``; any
+Requests it serves: ``QueryAllocation``, ``TrainerPhaseChanged``, ``BatchForecast``,
+``HelpEnded``; any
 other message gets an error reply and the Controller keeps running.
 
     Controller(name, bus, *, spec, agents, schedulers, journal, policy, models=None,
@@ -51,7 +60,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -85,6 +94,10 @@ from pivot.actors.shift_messages import (
     TrainerPhaseChanged,
 )
 from pivot.actors.trainer_messages import (
+    GradientHelper,
+    HelpEnded,
+    Helping,
+    HelpTrainer,
     OffloadTrainer,
     QueryTrainer,
     ReloadTrainer,
@@ -241,6 +254,11 @@ class Controller(Actor):
         self._repairing = asyncio.Lock()
         self._retiring: set[str] = set()  # replicas taken out, freed once no shift is in flight
         self._unconfirmed: set[int] = set()  # lost devices whose process was not seen to die
+        self._helping: dict[str, Role] = {}  # gradient helpers out, routing cut: replica -> role
+        self._unrestored: dict[str, Role] = {}  # helpers back whose RestoreRoute failed
+        self._was_training = False  # the trainer trained at the last snapshot
+        self._takes_helpers = False  # the trainer's backend takes gradient helpers
+        self.helpers_joined = 0  # replicas the trainer took as gradient helpers
 
     # --- requests served ------------------------------------------------------------------
 
@@ -261,6 +279,11 @@ class Controller(Actor):
         self.log.info("trainer phase changed", phase=phase.value)
         self._trainer_ready = phase is TrainerPhase.READY
         self._kick.set()
+        return Ack()
+
+    @handles(calls_peers=True)  # restores the helpers' routing
+    async def help_ended(self, msg: HelpEnded) -> Ack:
+        await self._helpers_back(msg.replicas)
         return Ack()
 
     @handles
@@ -344,6 +367,8 @@ class Controller(Actor):
         snapshot = await self.observe()
         if snapshot is None:
             return None
+        if await self._gradient_helpers(snapshot):
+            return None
         decision = self.planner.decide(snapshot)
         self.last_decision = decision
         self._log_lending()
@@ -357,6 +382,60 @@ class Controller(Actor):
                 self._trainer_ready = True
             await self.execute(decision.plan, decision.reason)
         return decision
+
+    @property
+    def helping(self) -> frozenset[str]:
+        """The replicas whose routing is cut for gradient helping: out, or back with their
+        routing not restored yet."""
+        return frozenset(self._helping) | frozenset(self._unrestored)
+
+    async def _gradient_helpers(self, snapshot: ClusterSnapshot) -> bool:
+        """Offer the replicas the planner names to the step in flight, and route to helpers
+        again once it is over; whether helpers are out (then no shift is planned)."""
+        for replica, role in list(self._unrestored.items()):
+            if await self._send(RestoreRoute(role, replica)):
+                del self._unrestored[replica]
+        training = snapshot.trainer is TrainerPhase.TRAINING
+        was, self._was_training = self._was_training, training
+        if not training:
+            await self._helpers_back(list(self._helping))  # (no HelpEnded came: say, a restart)
+        elif was and self.trainer is not None:
+            offered = self.planner.helpers(snapshot, self._helping)
+            if offered:
+                await self._offer_helpers(offered)
+        return bool(self._helping)
+
+    async def _offer_helpers(self, offered: Sequence[ReplicaState]) -> None:
+        """Offer first, cut the routing to those taken after: nothing can reach them before
+        the step ends (``pivot.planning.helpers``), and a replica the step does not take is
+        never cut. A cut that fails leaves the helper routable, and still helping."""
+        assert self.trainer is not None
+        helpers = [GradientHelper(r.id, r.role.value, list(r.devices)) for r in offered]
+        for r in offered:  # (a HelpEnded that overtakes the reply finds them)
+            self._helping[r.id] = r.role
+        reply = await self._ask(
+            self.trainer, HelpTrainer(helpers=helpers), Helping, self.settings.command_timeout_s
+        )
+        taken = set(reply.replicas) if reply is not None else set()
+        for r in offered:
+            if r.id not in taken:
+                self._helping.pop(r.id, None)
+            elif r.id in self._helping:
+                await self._send(CutRoute(r.role, r.id))
+        if taken:
+            self.helpers_joined += len(taken)
+            self.log.info(
+                "gradient helpers joined",
+                replicas=len(taken),
+                devices=sum(len(r.devices) for r in offered if r.id in taken),
+            )
+
+    async def _helpers_back(self, replicas: Sequence[str]) -> None:
+        """Route to these helpers again (those still out; idempotent)."""
+        for replica in replicas:
+            role = self._helping.pop(replica, None)
+            if role is not None and not await self._send(RestoreRoute(role, replica)):
+                self._unrestored[replica] = role
 
     def _log_lending(self) -> None:
         """Each step the planner timed with its pool lent or kept, once (a stage policy times
@@ -415,6 +494,7 @@ class Controller(Actor):
             status = await self._ask(self.trainer, QueryTrainer(), TrainerStatus, timeout)
             if status is not None:
                 phase = self.trainer_phase(status)
+                self._takes_helpers = status.takes_helpers
             elif any(r.role is Role.TRAINING for r in self.allocation.replicas.values()):
                 phase = TrainerPhase.TRAINING  # silent: leave its pool where it is
         running = {r.replica: r for report in reports.values() for r in report.replicas}
@@ -451,6 +531,7 @@ class Controller(Actor):
             trainer=phase,
             trainer_ready_in_s=ready_in,
             trainer_reclaim_s=lead,
+            trainer_takes_helpers=self._takes_helpers,
             shift_in_flight=self.shift is not None,
         )
 

@@ -151,6 +151,12 @@ class DeviceMeter:
     def trained(self, spans: Iterable[TrainSpan]) -> None:
         devices = self.deployment.trainer_devices
         for span in spans:
+            # its gradient helpers: in transit while they join and return, training while
+            # they compute
+            for h in span.helpers:
+                self.ledger.transit(h.devices, h.joined_at, h.ready_at)
+                self.ledger.training(h.devices, h.ready_at, h.reduced_at)
+                self.ledger.transit(h.devices, h.reduced_at, h.back_at)
             self.ledger.training(devices, span.start, span.end)
 
     def on_trainer_state(self, msg: TrainerState) -> None:

@@ -54,7 +54,7 @@ from pivot.actors.shift_messages import (
 )
 from pivot.actors.sources import GenRMJudge, Sample
 from pivot.actors.trainer import TrainResult
-from pivot.actors.trainer_messages import SimTrainBatch, TrainBatch
+from pivot.actors.trainer_messages import GradientHelper, SimTrainBatch, TrainBatch
 from pivot.bus import Actor, RealClock
 from pivot.cluster import Role
 from pivot.data import Record
@@ -658,6 +658,13 @@ class _FrozenTrainer:
             ratio_mean=1.0,
         )
         return TrainResult(stats=stats, gps_version=None)
+
+    @property
+    def takes_helpers(self) -> bool:
+        return False
+
+    async def help(self, helpers: list[GradientHelper]) -> list[str]:
+        return []
 
     async def offload(self) -> float:
         return 0.0

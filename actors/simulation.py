@@ -406,7 +406,10 @@ class SimBackend:
         self, name: str, deployment: Deployment, controller: str | None
     ) -> Callable[[Clock], SimTrainingBackend]:
         self.trainer_engine = engine = self.workload.make_trainer(len(deployment.trainer_devices))
-        return lambda clock: SimTrainingBackend(engine, clock=clock)
+        # a reward helper reads the GenRM back on returning (a rollout one: the new policy,
+        # as every rollout replica does)
+        genrm = {Role.REWARD.value: self.workload.config.genrm.params_b}
+        return lambda clock: SimTrainingBackend(engine, clock=clock, reload_params_b=genrm)
 
 
 def _scaled(model: CostModel, scales: Mapping[str, float], role: Role) -> CostModel:
@@ -1141,6 +1144,7 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "no-refit": {"refit": False},
     "no-reprefill-price": {"price_reprefill": False},
     "no-early-reclaim": {"early_reclaim": False},
+    "no-gradient-helpers": {"gradient_helpers": False},
 }
 
 

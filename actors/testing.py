@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Literal
 
 import msgspec
@@ -72,7 +72,7 @@ from pivot.engines.scripted import ScriptedEngine
 from pivot.planning import scenarios
 from pivot.planning.plans import Decision, DoneShift, ShiftPolicy
 from pivot.planning.routing import check_ownership
-from pivot.planning.snapshot import ClusterSnapshot
+from pivot.planning.snapshot import ClusterSnapshot, ReplicaState
 
 __all__ = [
     "Abort",
@@ -239,10 +239,9 @@ class InvariantChecker:
                     f"{role.value} scheduler routes to {sorted(routed)}, the allocation has "
                     f"{sorted(want)}"
                 )
-            if scheduler.cut:
-                raise InvariantViolation(
-                    f"{role.value} routing still cut from {sorted(scheduler.cut)}"
-                )
+            cut = set(scheduler.cut) - controller.helping  # (a gradient helper's is cut)
+            if cut:
+                raise InvariantViolation(f"{role.value} routing still cut from {sorted(cut)}")
         trainer = a.trainer
         if deployment.lent_pool and trainer is not None:
             holds = bool(allocation.of_role(Role.TRAINING))
@@ -292,6 +291,11 @@ class _CheckedPolicy:
 
     def observe_decode(self, role: Role, running: int, tokens: int, itl_s: float) -> None:
         self.inner.observe_decode(role, running, tokens, itl_s)
+
+    def helpers(
+        self, snapshot: ClusterSnapshot, helping: Collection[str] = ()
+    ) -> tuple[ReplicaState, ...]:
+        return self.inner.helpers(snapshot, helping)
 
     def decide(self, snapshot: ClusterSnapshot) -> Decision:
         current = self.allocation()

@@ -14,6 +14,10 @@ Requests (``pivot.actors.trainer_messages``):
   without one it reloads by itself.
 * ``OffloadTrainer`` lends the pool, ``ReloadTrainer`` takes it back; both idempotent.
 * ``QueryTrainer`` -> ``TrainerStatus``, answered at once, even mid-step.
+* ``HelpTrainer`` -> ``Helping``: inference replicas offered to the step in flight as gradient
+  helpers, answered at once; a backend that cannot take helpers (``takes_helpers``) takes
+  none. Before a step that took helpers is answered, the trainer tells the ``controller``
+  (``HelpEnded``), so that they serve again before the next batch is admitted.
 
 The state is published on topic ``trainer`` (``TrainerState``) whenever it changes. A backend
 command that fails leaves the backend in an unknown state (for DeepSpeed: ranks that may
@@ -41,6 +45,10 @@ import msgspec
 
 from pivot.actors.shift_messages import TrainerPhaseChanged
 from pivot.actors.trainer_messages import (
+    GradientHelper,
+    HelpEnded,
+    Helping,
+    HelpTrainer,
     OffloadTrainer,
     QueryTrainer,
     ReloadTrainer,
@@ -54,7 +62,7 @@ from pivot.actors.trainer_messages import (
 )
 from pivot.actors.vocabulary import TRAINER_TOPIC
 from pivot.bus import Actor, Bus, BusError, handles
-from pivot.timeline import TrainSpan
+from pivot.timeline import HelperSpan, TrainSpan
 from pivot.training import TrainStats
 
 T = TypeVar("T")
@@ -81,6 +89,7 @@ class TrainResult(msgspec.Struct, frozen=True, kw_only=True):
     gps_version: int | None
     gps_write_s: float = 0.0
     checkpoint_s: float = 0.0  # saving the checkpoint the batch asked for
+    helpers: tuple[HelperSpan, ...] = ()  # the gradient helpers the step took
 
 
 class TrainingBackend(Protocol):
@@ -102,6 +111,16 @@ class TrainingBackend(Protocol):
     @property
     def store(self) -> str | None:
         """The GPS store each version is written to, if any."""
+        ...
+
+    @property
+    def takes_helpers(self) -> bool:
+        """Whether inference replicas may join a step as gradient helpers (``help``)."""
+        ...
+
+    async def help(self, helpers: list[GradientHelper]) -> list[str]:
+        """Offer ``helpers`` to the step in flight; the replicas it took. Not a command: it
+        runs while ``train`` does (and takes none while no step runs)."""
         ...
 
     async def start(self) -> None:
@@ -230,6 +249,7 @@ class Trainer(Actor):
             fingerprints=fingerprints or [],
             seconds=seconds,
             holds_pool=self._holds_pool,
+            takes_helpers=backend.takes_helpers,
         )
 
     @handles(calls_peers=True)  # waits on the Controller to give the pool back
@@ -269,7 +289,11 @@ class Trainer(Actor):
         stats = result.stats
         self.steps += 1
         self.last_step_s = stats.seconds
-        self.spans.append(TrainSpan(start=started, end=ended, version=stats.version))
+        self.spans.append(
+            TrainSpan(start=started, end=ended, version=stats.version, helpers=result.helpers)
+        )
+        if result.helpers:
+            await self._helpers_back([h.replica for h in result.helpers])
         self.log.info(
             "trained",
             step=msg.step,
@@ -287,6 +311,19 @@ class Trainer(Actor):
             checkpoint_s=result.checkpoint_s,
             restart=restart,
         )
+
+    async def _helpers_back(self, replicas: list[str]) -> None:
+        if self.controller is None:
+            return
+        try:
+            await self.request(self.controller, HelpEnded(replicas=replicas))
+        except BusError as exc:  # it also gives them back once it sees the step over
+            self.log.warning("could not tell the controller the helpers are back", error=repr(exc))
+
+    @handles
+    async def help(self, msg: HelpTrainer) -> Helping:
+        taken = await self.backend.help(msg.helpers) if self.backend.takes_helpers else []
+        return Helping(replicas=taken, version=self.backend.version)
 
     async def _wait_for_pool(self) -> None:
         if self.controller is None:

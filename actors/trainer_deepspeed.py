@@ -75,7 +75,12 @@ from pivot.actors.assembly import ChildProcess, trainer_names
 from pivot.actors.checkpoints import Checkpoints, TrainerStart, read_checkpoint, trainer_start
 from pivot.actors.faults import first_start, trainer_fault
 from pivot.actors.trainer import Trainer, TrainerOffloaded, TrainResult
-from pivot.actors.trainer_messages import SimTrainBatch, TrainBatch, TrainerRestart
+from pivot.actors.trainer_messages import (
+    GradientHelper,
+    SimTrainBatch,
+    TrainBatch,
+    TrainerRestart,
+)
 from pivot.actors.vocabulary import rl_messages
 from pivot.bus import Actor, Bus, Directory, RestartPolicy, Supervisor
 from pivot.bus.codec import job_secret
@@ -751,6 +756,13 @@ class DeepSpeedBackend:
             gps_write_s=self.group.last_write_s if command.publish else 0.0,
             checkpoint_s=self.group.last_checkpoint_s if command.checkpoint else 0.0,
         )
+
+    @property
+    def takes_helpers(self) -> bool:
+        return False  # the rank group is fixed at start: no replica can join its all-reduce
+
+    async def help(self, helpers: list[GradientHelper]) -> list[str]:
+        return []
 
     async def offload(self) -> float:
         started = time.perf_counter()

@@ -1,6 +1,7 @@
 """The messages of the training role: what the driver asks the trainer (a GRPO step on a
-scored batch, or its counts in a simulation), what the controller asks it around shifts (offload, reload), and the trainer
-state it publishes for the planner.
+scored batch, or its counts in a simulation), what the controller asks it around shifts (offload, reload) and
+gradient helpers (inference replicas with nothing to run joining the step in flight), and the
+trainer state it publishes for the planner.
 
 Names carry "Trainer" where a bare verb (Offload, Reload) could collide with another role's
 message: tags are class names, one union for the whole job.
@@ -106,6 +107,39 @@ class TrainerStatus(RLMessage, kw_only=True):
     # whether it holds its pool: a batch that found the pool lent makes the state
     # "training" while the pool still serves inference, until the Controller reclaims it
     holds_pool: bool = True
+    # whether its backend can take gradient helpers (HelpTrainer); one that cannot is never
+    # sent any
+    takes_helpers: bool = False
+
+
+class GradientHelper(msgspec.Struct, frozen=True):
+    """An inference replica offered to the step in flight: its id, role and devices."""
+
+    replica: str
+    role: str
+    devices: list[int]
+
+
+class HelpTrainer(RLMessage, kw_only=True):
+    """Controller -> trainer: these replicas hold no sequence and none can reach them before
+    the step in flight ends; compute gradients for it. Reply: ``Helping``."""
+
+    helpers: list[GradientHelper]
+
+
+class Helping(RLMessage, kw_only=True):
+    """The replicas the step took (the rest: no step runs, or it ends no sooner with them).
+    ``version``: the policy version the step will publish."""
+
+    replicas: list[str]
+    version: int
+
+
+class HelpEnded(RLMessage, kw_only=True):
+    """Trainer -> Controller, before the step's reply: the step these replicas helped has
+    ended; route to them again."""
+
+    replicas: list[str]
 
 
 class TrainerState(RLMessage, kw_only=True):

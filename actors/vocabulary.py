@@ -86,6 +86,9 @@ MESSAGES: tuple[type[RLMessage], ...] = (
     trainer.QueryTrainer,
     trainer.TrainerStatus,
     trainer.TrainerState,
+    trainer.HelpTrainer,
+    trainer.Helping,
+    trainer.HelpEnded,
 )
 
 

@@ -70,6 +70,7 @@ ABLATION_NAMES = (
     "no-refit",
     "no-reprefill-price",
     "no-early-reclaim",
+    "no-gradient-helpers",
     "rule-based",
 )
 # --baseline-router: "best" runs each baseline's Table 4 split with each rule and keeps the

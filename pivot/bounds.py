@@ -32,6 +32,10 @@ taken with equality; the bound is ``train_end_last - t0``. Steps before ``first_
 warm-up the measurement leaves out) enter with their actual start and end: the bound is then
 how soon the measured steps could have ended given how the warm-up left the run.
 
+Gradient helpers (``pivot.engines.helped_step``) train on the trainer's pool and at most every
+other device, at the same per-device rate, and add a reduce: a helped step is no shorter than
+``T_k`` on the whole cluster and does no less work, so both bounds stay lower bounds.
+
 **Combined.** The run is no faster than the larger of the two.
 
     inference_costs(workload) -> {role: InferenceCost}

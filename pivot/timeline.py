@@ -32,10 +32,24 @@ class ShiftMark(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag
 TimelineRecord = RoleSample | ShiftMark
 
 
+class HelperSpan(msgspec.Struct, frozen=True):
+    """A gradient helper's devices in one train step (``pivot.engines.helped_step``): in
+    transit ``[joined_at, ready_at)``, training ``[ready_at, reduced_at)``, in transit again
+    ``[reduced_at, back_at)``."""
+
+    replica: str
+    devices: tuple[int, ...]
+    joined_at: float
+    ready_at: float
+    reduced_at: float
+    back_at: float
+
+
 class TrainSpan(msgspec.Struct, frozen=True, kw_only=True):
     start: float
     end: float
     version: int
+    helpers: tuple[HelperSpan, ...] = ()  # inference replicas that computed gradients too
 
 
 def overall_throughput(rates: dict[str, float], outstanding: dict[str, int]) -> float:

@@ -49,6 +49,7 @@ import msgspec
 
 from pivot.config import ConfigStruct, Fraction, NonNegativeFloat, PositiveFloat
 from pivot.engines.context import RoleContext, checked_add
+from pivot.engines.helped_step import HelpedStep
 from pivot.engines.protocol import (
     ContextKind,
     EngineError,
@@ -734,6 +735,32 @@ class SimTrainer:
 
     def step_time_s(self, tokens: int) -> float:
         return self.costs.fixed_step_s + tokens * self.seconds_per_token
+
+    def token_work_s(self, tokens: int) -> float:
+        """The step's per-token compute in device-seconds (on any number of devices)."""
+        return tokens * self.seconds_per_token * self.devices
+
+    def helped_step(self, tokens: int, start: float) -> HelpedStep:
+        """The step on ``tokens`` from ``start`` as gradient helpers may join it
+        (``pivot.engines.helped_step``); without helpers it ends ``step_time_s + write_s``
+        after ``start``."""
+        return HelpedStep(
+            start=start,
+            work_s=self.token_work_s(tokens),
+            pool_devices=self.devices,
+            reduce_s=weight_bytes(self.params_b) / (self.shift.shift.gps_write_gb_per_s * 1e9),
+            tail_s=self.costs.fixed_step_s + self.write_s(),
+        )
+
+    def helper_join_s(self, tp: int) -> float:
+        """A replica of ``tp`` devices joining a step: release its engine, read the policy."""
+        return self.shift.shift.engine_release_s + self.shift.weight_read_s(self.params_b, tp)
+
+    def helper_return_s(self, tp: int, reload_params_b: float = 0.0) -> float:
+        """A helper of ``tp`` devices going back to its role: wake its engine, read back
+        ``reload_params_b`` (its role's model, where that is not the policy; 0: none)."""
+        read = self.shift.weight_read_s(reload_params_b, tp) if reload_params_b else 0.0
+        return self.shift.shift.engine_wake_s + read
 
     def train_step(self, tokens: int) -> TrainerStep:
         """One update on ``tokens`` (prompt + response tokens of the batch); the version goes up."""

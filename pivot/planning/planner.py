@@ -33,7 +33,7 @@ Pure and synchronous: ``now`` comes in the snapshot, phase times from an injecte
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Literal
 
 import msgspec
@@ -64,6 +64,7 @@ from pivot.planning.evaluation import (
     objective,
     simulate_role,
 )
+from pivot.planning.helpers import idle_until_step_ends
 from pivot.planning.lending import LendingLedger, LendingSettings
 from pivot.planning.plans import (
     TRAINER_ID,
@@ -106,6 +107,9 @@ class PlannerSettings(ConfigStruct, kw_only=True):
     # reclaim the lent pool once the batch is forecast ready within the reclaim's time, not
     # once it is ready (the reclaim then leaves the critical path)
     early_reclaim: bool = True
+    # inference replicas with nothing to run until the train step ends compute gradients
+    # for it (pivot.planning.helpers), where the trainer's backend takes them
+    gradient_helpers: bool = True
     # rule-based policy: KV-cache pressure thresholds
     kv_high: PositiveFloat = 0.8
     kv_low: NonNegativeFloat = 0.1
@@ -637,6 +641,15 @@ class Planner:
         shifts = [s for s in done if s.kind == "shift"]
         if shifts:
             self.last_action_at = shifts[-1].started_at
+
+    def helpers(
+        self, snapshot: ClusterSnapshot, helping: Collection[str] = ()
+    ) -> tuple[ReplicaState, ...]:
+        """The inference replicas to offer the train step in flight as gradient helpers
+        (``pivot.planning.helpers``); none with ``gradient_helpers`` off."""
+        if not self.settings.gradient_helpers:
+            return ()
+        return idle_until_step_ends(snapshot, helping)
 
     def decide(self, snapshot: ClusterSnapshot) -> Decision:
         settings = self.settings

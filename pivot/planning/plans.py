@@ -5,13 +5,13 @@ import it, and neither imports the other."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Literal, NamedTuple, Protocol
 
 import msgspec
 
 from pivot.cluster import Move, Role
-from pivot.planning.snapshot import ClusterSnapshot
+from pivot.planning.snapshot import ClusterSnapshot, ReplicaState
 
 #: The replica id of the trainer pool in plans and allocations.
 TRAINER_ID = "trainer"
@@ -92,4 +92,11 @@ class ShiftPolicy(Protocol):
 
     def observe_decode(self, role: Role, running: int, tokens: int, itl_s: float) -> None:
         """One measured decode iteration of a ``role`` replica (see ``Planner.observe_decode``)."""
+        ...
+
+    def helpers(
+        self, snapshot: ClusterSnapshot, helping: Collection[str] = ()
+    ) -> tuple[ReplicaState, ...]:
+        """The inference replicas to offer the train step in flight as gradient helpers
+        (see ``Planner.helpers``); ``helping``: those out already."""
         ...

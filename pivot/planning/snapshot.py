@@ -56,6 +56,8 @@ class ClusterSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     # and how long taking its pool back takes (measured; 0: never measured)
     trainer_ready_in_s: float | None = None
     trainer_reclaim_s: float = 0.0
+    # whether the trainer's backend takes gradient helpers (pivot.planning.helpers)
+    trainer_takes_helpers: bool = False
     shift_in_flight: bool = False
 
     def queue(self, role: Role) -> QueueState:

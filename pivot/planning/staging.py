@@ -6,11 +6,11 @@ one. It has the planner's interface (``decide(snapshot) -> Decision``,
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from pivot.cluster import INFERENCE_ROLES, ClusterSpec, Move, Role, other_inference_role, replica_id
 from pivot.planning.plans import TRAINER_ID, Decision, DoneShift, ShiftPlan
-from pivot.planning.snapshot import ClusterSnapshot, TrainerPhase
+from pivot.planning.snapshot import ClusterSnapshot, ReplicaState, TrainerPhase
 
 
 class StagePolicy:
@@ -37,6 +37,12 @@ class StagePolicy:
 
     def observe_decode(self, role: Role, running: int, tokens: int, itl_s: float) -> None:
         """Stages switch on demand alone: latencies change nothing."""
+
+    def helpers(
+        self, snapshot: ClusterSnapshot, helping: Collection[str] = ()
+    ) -> tuple[ReplicaState, ...]:
+        """A time-sharing baseline trains on every device it has: no gradient helpers."""
+        return ()
 
     def decide(self, snapshot: ClusterSnapshot) -> Decision:
         if snapshot.shift_in_flight:

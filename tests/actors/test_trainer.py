@@ -31,6 +31,10 @@ from pivot.actors.trainer_deepspeed import (
     fingerprint,
 )
 from pivot.actors.trainer_messages import (
+    GradientHelper,
+    HelpEnded,
+    Helping,
+    HelpTrainer,
     OffloadTrainer,
     QueryTrainer,
     ReloadTrainer,
@@ -126,11 +130,17 @@ class FakeController(Actor):
     def __init__(self, name: str, bus: Bus) -> None:
         super().__init__(name, bus)
         self.told = asyncio.Event()
+        self.helpers_back: list[tuple[list[str], float]] = []  # HelpEnded: replicas, when
 
     @handles
     def phase(self, msg: TrainerPhaseChanged) -> Ack:
         assert msg.phase == "ready"
         self.told.set()
+        return Ack()
+
+    @handles
+    def help_ended(self, msg: HelpEnded) -> Ack:
+        self.helpers_back.append((msg.replicas, self.clock.now()))
         return Ack()
 
 
@@ -293,6 +303,39 @@ def test_status_is_answered_mid_step_and_an_offload_waits_for_the_step() -> None
             assert lent.state == "offloaded" and clock.now() >= span.end
             assert (await step).stats.version == 1
             assert rig.published() == ["training", "idle", "offloaded"]
+
+    run_virtual(main)
+
+
+def test_a_helper_that_joins_mid_step_shortens_it_by_hand_and_is_handed_back_first() -> None:
+    big = SimTrainBatch(step=3, sequences=8, tokens=1_000_000)  # ~77 s of token work
+
+    async def main(clock: VirtualClock) -> None:
+        async with Rig(clock, controller="controller") as rig:
+            sim, shift = rig.sim, rig.sim.shift
+            offer = HelpTrainer(helpers=[GradientHelper("ro0", "rollout", [4, 5])])
+            idle = await rig.ask(offer, expect=Helping)
+            assert idle.replicas == []  # no step runs: nothing to help
+            started = clock.now()
+            step = asyncio.ensure_future(rig.ask(big, expect=Trained))
+            await clock.sleep(10.0)
+            assert (await rig.ask(offer, expect=Helping)).replicas == ["ro0"]
+            reply = await step
+            # 2 pool devices alone until the helper is ready, then 4
+            ready = 10.0 + shift.shift.engine_release_s + shift.weight_read_s(1.0, 2)
+            left = sim.token_work_s(big.tokens) - 2 * ready
+            reduce = 2.0 * 1e9 / (shift.shift.gps_write_gb_per_s * 1e9)
+            tail = sim.costs.fixed_step_s + sim.write_s()  # the helper's 1.5 s wake hides in it
+            expected = ready + left / 4 + reduce + tail
+            assert clock.now() - started == pytest.approx(expected)
+            assert expected < sim.step_time_s(big.tokens) + sim.write_s() - 20
+            [span] = rig.trainer.spans
+            [helper] = span.helpers
+            assert (helper.replica, helper.devices) == ("ro0", (4, 5))
+            assert helper.ready_at == pytest.approx(started + ready)
+            # the controller hears of it before the step's reply
+            assert rig.boss.helpers_back == [(["ro0"], pytest.approx(clock.now()))]
+            assert reply.stats.version == 1
 
     run_virtual(main)
 

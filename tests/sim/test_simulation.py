@@ -615,6 +615,30 @@ def test_a_wrong_prior_converges_to_the_engines_cost_model_and_no_refit_keeps_it
     np.testing.assert_allclose(kept.itl(running, tokens), 2 * true.itl(running, tokens))
 
 
+def test_idle_replicas_help_the_trainer_the_run_is_shorter_and_the_account_sums(tmp_path):
+    # a slow accelerator: ~7 s of token work per step on the 4 trainer devices, beside ~1.5 s
+    # of rollout and judging, so the 4 shared devices idle through most of each step
+    workload = toy_workload(
+        tmp_path, prompts=4, samples=4, hardware={"peak_bf16_tflops": 0.001, "train_mfu": 0.5}
+    )
+
+    def run(**planner):
+        settings = SimulationSettings(steps=3, check="tick", planner=PlannerSettings(**planner))
+        return simulate(workload, _pivot(workload), settings, journal_dir=tmp_path / "j")
+
+    helped, alone = run(), run(gradient_helpers=False)
+    helpers = [h for t in helped.trains for h in t.helpers]
+    assert helpers and not any(t.helpers for t in alone.trains)
+    assert helped.seconds < 0.8 * alone.seconds
+    account = helped.account
+    assert account is not None and account.total_s == pytest.approx(8 * helped.seconds)
+    # the pool trains for every span, each helper while it computes
+    pool = 4 * sum(t.end - t.start for t in helped.trains)
+    computing = sum(len(h.devices) * (h.reduced_at - h.ready_at) for h in helpers)
+    assert account.seconds["training"] == pytest.approx(pool + computing)
+    assert 0 < helped.bound_fractions()["combined"] <= 1
+
+
 def test_the_trainer_pool_is_reclaimed_before_its_batch_is_scored(tmp_path):
     """Batches 0..2 run at once (staleness 2): batch 2's tail prices batch 3's, and the first
     reclaim's time says how early to start, so the pool comes back for batch 3 before it is

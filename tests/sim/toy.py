@@ -4,7 +4,8 @@
 written to ``<folder>/toy.toml``. ``per_running``
 makes a step slower with more sequences (ITL = max(itl, per_running * running)): then the
 planner gains by spreading sequences over more replicas. ``policy_params_b``: the policy's size,
-what its weight loads cost (the default's are ~1e-4 s)."""
+what its weight loads cost (the default's are ~1e-4 s). ``hardware``: ``[hardware]`` keys (a
+slow one makes training long against inference)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ def toy_workload(
     per_running: float = 0.0,
     max_running: int = 64,
     policy_params_b: float = 0.001,
+    hardware: dict[str, Any] | None = None,
 ) -> Workload:
     models = folder / "cost_models"
     models.mkdir(parents=True, exist_ok=True)
@@ -78,6 +80,8 @@ def toy_workload(
         "trainer": {"fixed_step_s": fixed_step_s, "wake_s": 1.0, "offload_s": 0.5},
         "shift": {"abort_s": 0.1, "engine_release_s": 0.2, "engine_wake_s": 0.3, "register_s": 0.1},
     }
+    if hardware:
+        raw["hardware"] = hardware
     (folder / "toy.toml").write_text(_toml(raw))
     return Workload(msgspec.convert(raw, WorkloadConfig), str(folder / "toy.toml"), folder)
 

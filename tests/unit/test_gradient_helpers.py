@@ -1,0 +1,70 @@
+"""Gradient helpers: a step that helpers join, timed by hand, and the planner's rule of who
+may help (cluster as in test_planner_scenarios: devices 12..15 are the trainer pool)."""
+
+import msgspec
+import pytest
+from planner_cases import MODELS, cluster, replica, snapshot, training
+
+from pivot.cluster import Role
+from pivot.engines.helped_step import HelpedStep, Helper
+from pivot.planning.planner import Planner, PlannerSettings
+from pivot.planning.snapshot import TrainerPhase
+from pivot.timeline import HelperSpan
+
+SPEC = cluster()
+
+
+def test_a_helper_shares_the_remaining_work_and_pays_its_join_and_the_reduce():
+    step = HelpedStep(start=0.0, work_s=100.0, pool_devices=2, reduce_s=1.0, tail_s=5.0)
+    assert step.end() == 55.0  # 100 device-s on 2 devices, then the optimizer step + write
+    # 2 devices join at 10 and compute from 12: 24 done by then, the other 76 at 4 per second
+    assert step.join(Helper("r0", (4, 5), joined_at=10.0, ready_at=12.0, return_s=3.0))
+    assert step.computed_at() == pytest.approx(31.0)
+    assert step.end() == pytest.approx(31.0 + 1.0 + 5.0)  # its return (3 s) hides in the 5
+    # one that would be ready only once the work is done shortens nothing: refused
+    assert not step.join(Helper("r1", (6,), joined_at=30.0, ready_at=32.0, return_s=0.0))
+    assert step.spans() == [HelperSpan("r0", (4, 5), 10.0, 12.0, 32.0, 35.0)]
+    # a return longer than the optimizer step and the write lengthens the step by the rest
+    slow = HelpedStep(start=0.0, work_s=100.0, pool_devices=2, reduce_s=1.0, tail_s=5.0)
+    assert slow.join(Helper("r0", (4, 5), joined_at=10.0, ready_at=12.0, return_s=9.0))
+    assert slow.end() == pytest.approx(31.0 + 1.0 + 9.0)
+
+
+def idle(trainer=TrainerPhase.TRAINING, ro0=0, rm1=0, **kw):
+    reps = (
+        replica("ro0", Role.ROLLOUT, (0,), running=ro0),
+        replica("ro1", Role.ROLLOUT, (1,)),
+        replica("rm0", Role.REWARD, range(4, 8)),
+        replica("rm1", Role.REWARD, range(8, 12), running=rm1),
+        training(SPEC),
+    )
+    return snapshot(*reps, trainer=trainer, **kw)
+
+
+def offered(snap, planner=None, **kw):
+    planner = planner or Planner(SPEC, MODELS)
+    return [r.id for r in planner.helpers(msgspec.structs.replace(snap, **kw))]
+
+
+def test_the_planner_offers_idle_replicas_only_to_a_backend_that_takes_helpers():
+    takes = {"trainer_takes_helpers": True}
+    assert offered(idle(), **takes) == ["ro0", "ro1", "rm0", "rm1"]
+    planner = Planner(SPEC, MODELS)
+    helping = planner.helpers(msgspec.structs.replace(idle(), **takes), helping={"ro1"})
+    assert [r.id for r in helping] == ["ro0", "rm0", "rm1"]
+    # a backend that cannot take helpers (DeepSpeed's) is never offered any
+    assert offered(idle()) == []
+    # an idle rollout replica helps beside a rollout tail; reward only once rollout is done
+    assert offered(idle(ro0=1), **takes) == ["ro1"]
+    assert offered(idle(rm1=1), **takes) == ["ro0", "ro1", "rm0"]
+    assert offered(idle(reward_queue=(1, 100)), **takes) == ["ro0", "ro1"]
+    # none while the rollout queue holds work, the trainer does not train, a shift is in
+    # flight, or with the mechanism off
+    for snap in (
+        idle(rollout_queue=(1, 100)),
+        idle(trainer=TrainerPhase.WAITING),
+        idle(shift_in_flight=True),
+    ):
+        assert offered(snap, **takes) == []
+    off = Planner(SPEC, MODELS, PlannerSettings(gradient_helpers=False))
+    assert offered(idle(), off, **takes) == []
