@@ -63,7 +63,8 @@ class DeviceMeter:
         self._started: dict[int, tuple[tuple[int, ...], float]] = {}  # txn -> devices, at
         self._batches: dict[str, int] = {}  # agent -> its last EngineSegments batch
         self.lost_batches = 0  # EngineSegments batches that never arrived (pub/sub is lossy)
-        self._decode: dict[str, list[tuple[int, int, float]]] = {}  # role -> decode samples
+        # role -> decode samples (batch, KV tokens attended, latency) from the agents' loads
+        self.decode_samples: dict[str, list[tuple[int, int, float]]] = {}
 
     def _record(self, changes: Iterable[tuple[int, Holder]], at: float) -> None:
         by_holder: dict[Holder, list[int]] = {}
@@ -97,7 +98,7 @@ class DeviceMeter:
 
     def on_load(self, msg: ReplicaLoad) -> None:
         if msg.decode_itl_s > 0 and msg.decode_running > 0:
-            self._decode.setdefault(msg.role, []).append(
+            self.decode_samples.setdefault(msg.role, []).append(
                 (msg.decode_running, msg.decode_tokens, msg.decode_itl_s)
             )
 
@@ -110,7 +111,7 @@ class DeviceMeter:
         KV capacity is left unlimited: a torch engine keeps a full-length slot per sequence,
         so only ``max_running`` bounds its batch."""
         out = {}
-        for role, samples in self._decode.items():
+        for role, samples in self.decode_samples.items():
             prior = priors.get(role)
             if prior is None:
                 continue

@@ -124,8 +124,11 @@ def test_a_real_agents_segments_make_an_account_of_devices_x_window():
     assert s["stalled_on_trainer"] >= 0.1 and s["idle"] == pytest.approx(0.0, abs=1e-9)
     assert s["training"] == pytest.approx(0.02)
     assert s["trainer_waiting"] == pytest.approx(window - 0.02)
-    # decode-only steps gave the refit its samples: a threshold within the batch limit
-    assert 1 <= thresholds["rollout"] <= MAX_RUNNING
+    # decode-only steps gave the refit its samples, at batches the engine ran (6 sequences at
+    # most), and the rollout's threshold comes from them
+    samples = meter.decode_samples["rollout"]
+    assert samples and all(1 <= b <= len(works) and t > 0 and itl > 0 for b, t, itl in samples)
+    assert set(thresholds) == {"rollout"}
 
 
 def test_a_segment_log_joins_a_steady_decode_and_keeps_the_open_segment():
