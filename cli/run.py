@@ -522,13 +522,7 @@ class Job:
             self.deployment.split.gpus,
             thresholds=meter.measured_thresholds(priors, self.job.model.max_running),
         )
-        return MeasuredAccount(
-            devices=measured.devices,
-            window_s=measured.window_s,
-            seconds=measured.seconds,
-            thresholds=measured.thresholds,
-            lost_batches=meter.lost_batches,
-        )
+        return MeasuredAccount(**msgspec.structs.asdict(measured), lost_batches=meter.lost_batches)
 
     def _sources(self, sink) -> tuple[PromptSource, PromptSource | None]:  # noqa: ANN001
         """The training prompts and the evaluation set, with the job's reward: one reward
