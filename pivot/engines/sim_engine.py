@@ -748,7 +748,8 @@ class SimTrainer:
             start=start,
             work_s=self.token_work_s(tokens),
             pool_devices=self.devices,
-            reduce_s=weight_bytes(self.params_b) / (self.shift.shift.gps_write_gb_per_s * 1e9),
+            # the summed bf16 gradient, once, at the GPS write rate
+            reduce_s=self.shift.gps_write_s(self.params_b, 1),
             tail_s=self.costs.fixed_step_s + self.write_s(),
         )
 
