@@ -97,7 +97,7 @@ from pivot.planning.routing import (
     make_router,
 )
 from pivot.shift import ShiftRecord
-from pivot.timeline import RoleSample, ShiftMark, TrainSpan, overall_throughput
+from pivot.timeline import RoleSample, ShiftMark, TrainSpan, overall_throughput, steady_window
 from pivot.workload import Workload
 
 
@@ -614,8 +614,7 @@ def _result(
     first = steps[0].started_s
     warm = [s for s in steps if s.warmup]
     measured = [s for s in steps if not s.warmup]
-    start = max(s.ended_s for s in warm) if warm else first
-    last = max(s.ended_s for s in measured)
+    start, last = steady_window([(s.started_s, s.ended_s) for s in steps], len(warm))
     seconds = max(last - start, 1e-9)
     samples = sum(s.samples for s in measured)
     tokens = sum(s.tokens for s in measured)
@@ -824,14 +823,13 @@ class SplitRuns:
         journal_dir: str | Path | None = None,
         pool: Executor | None = None,
         jobs: int = 1,
-        known: Mapping[Split, RunResult] | None = None,
     ) -> None:
         self.workload = workload
         self.settings = settings
         self.journal_dir = journal_dir
         self.pool = pool
         self.jobs = jobs if pool is not None else 1
-        self.done: dict[Split, RunResult] = dict(known or {})
+        self.done: dict[Split, RunResult] = {}
         self._pending: dict[Split, Future[RunResult]] = {}
 
     def start(self, split: Split, label: str = "sweep") -> bool:
@@ -855,8 +853,8 @@ class SplitRuns:
         """``split``'s run: done before, waited for, or run now."""
         if self.pool is None:
             if split not in self.done:
-                self.done[split] = simulate(
-                    self.workload, split, self.settings, label=label, journal_dir=self.journal_dir
+                self.done[split] = _run_split(
+                    self.workload, split, self.settings, label, self.journal_dir
                 )
             return self.done[split]
         while split not in self.done:
@@ -879,7 +877,8 @@ def _run_split(
     label: str,
     journal_dir: str | Path | None,
 ) -> RunResult:
-    """One run in a worker process (a module-level function: the pool pickles it by name)."""
+    """One run, here or in a worker process (a module-level function: the pool pickles it by
+    name)."""
     return simulate(workload, split, settings, label=label, journal_dir=journal_dir)
 
 

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 
 from pivot.cli.flags import non_negative, positive
 from pivot.deployment import BASELINES, DeploymentKind
+from pivot.timeline import steady_window
 
 if TYPE_CHECKING:  # the job's modules load torch: only when a bench runs
     from pivot.actors.scheduler import MigrationTiming
@@ -106,17 +107,13 @@ class DeploymentRun:
 
     @property
     def samples_per_s(self) -> float:
-        """The measured steps' samples over their window: from the end of the last warm-up
-        step (or the first step's start) to the end of the last step."""
+        """The measured steps' samples over their window (``pivot.timeline.steady_window``,
+        as ``pivot simulate`` measures)."""
         measured = self.reports[self.warmup :]
         if not measured:
             return 0.0
-        if self.warmup:
-            last_warmup = self.reports[self.warmup - 1]
-            begin = last_warmup.started_s + last_warmup.seconds
-        else:
-            begin = measured[0].started_s
-        end = measured[-1].started_s + measured[-1].seconds
+        spans = [(r.started_s, r.started_s + r.seconds) for r in self.reports]
+        begin, end = steady_window(spans, self.warmup)
         return sum(r.samples for r in measured) / max(end - begin, 1e-9)
 
 

@@ -9,6 +9,8 @@ one role has demand.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import msgspec
 
 
@@ -88,3 +90,14 @@ class RateMeter:
         self._since = now
         self._tokens.clear()
         return rates
+
+
+def steady_window(steps: Sequence[tuple[float, float]], warmup: int) -> tuple[float, float]:
+    """The window a run's throughput is measured over, from its steps' (start, end) in step
+    order: from the end of the last warm-up step to end (the first ``warmup`` steps; none: the
+    first step's start) to the end of the last measured step. Steps may overlap (staleness), so
+    both ends are the latest of their steps'."""
+    if not 0 <= warmup < len(steps):
+        raise ValueError(f"warmup {warmup} leaves none of {len(steps)} steps to measure")
+    begin = max(end for _, end in steps[:warmup]) if warmup else steps[0][0]
+    return begin, max(end for _, end in steps[warmup:])
