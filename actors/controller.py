@@ -29,14 +29,14 @@
   replicas with nothing to run until the step ends; the Controller offers them to the trainer
   (``HelpTrainer``), cuts the routing to those it took, and routes to them again when the
   trainer says the step is over (``HelpEnded``, before the step's reply), or when it sees the
-  step over; a restore that fails is sent again at every tick (``helping`` names both). While helpers are out it plans no shift, so that no
-  migration sends a helper work (what is left then is the batch tails: measured, the
-  helpers gain more than the planner's moves of the tails).
+  step over; a restore that fails is sent again at every tick (``helping`` names both).
+  While helpers are out it plans no shift, so that no migration sends a helper work (what is
+  left then is the batch tails: measured, the helpers gain more than the planner's moves of
+  the tails).
 
 It publishes ``ShiftStarted``, ``ShiftFinished`` and ``AllocationChanged`` on ``shift``.
 Requests it serves: ``QueryAllocation``, ``TrainerPhaseChanged``, ``BatchForecast``,
-``HelpEnded``; any
-other message gets an error reply and the Controller keeps running.
+``HelpEnded``; any other message gets an error reply and the Controller keeps running.
 
     Controller(name, bus, *, spec, agents, schedulers, journal, policy, models=None,
                trainer=None, settings=None)
