@@ -30,7 +30,13 @@ before batch ``k - 1`` (the Driver's rule, ``pivot.actors.driver``)::
 
 taken with equality; the bound is ``train_end_last - t0``. Steps before ``first_step`` (a
 warm-up the measurement leaves out) enter with their actual start and end: the bound is then
-how soon the measured steps could have ended given how the warm-up left the run.
+how soon the measured steps could have ended given how the warm-up left the run. The
+work-conserving bound counts, besides the measured steps' work, the training of every warm-up
+step whose predecessor ended inside the window: train steps run in order, so that training
+cannot have begun before the window opened, and any run must still do it there. (With staleness
+``s`` the window opens when batch ``first_step`` is admitted, up to ``s`` train steps before the
+warm-up's last one ends; leaving their training out would credit every deployment with idle
+devices it never had.)
 
 Gradient helpers (``pivot.engines.helped_step``) train on the trainer's pool and at most every
 other device, at the same per-device rate, and add a reduce: a helped step is no shorter than
@@ -208,6 +214,8 @@ class Bound(msgspec.Struct, frozen=True, kw_only=True):
     critical_path_s: float  # the critical-path bound
     actual_s: float  # the run's time for the same steps
     work_device_s: dict[str, float]  # role -> device-seconds of work at the efficient points
+    # device-seconds of warm-up training the window must hold (the module docstring)
+    carried_device_s: float = 0.0
 
     @property
     def combined_s(self) -> float:
@@ -279,13 +287,19 @@ def run_bound(
     for s in measured:
         for role, seconds in s.work_device_s.items():
             work[role] = work.get(role, 0.0) + seconds
+    carried = sum(
+        steps[j].work_device_s[Role.TRAINING.value]
+        for j in range(1, first_step)
+        if history[j - 1][1] >= t0
+    )
     return Bound(
         steps=len(measured),
         devices=devices,
-        work_s=sum(work.values()) / devices,
+        work_s=(sum(work.values()) + carried) / devices,
         critical_path_s=end - t0,
         actual_s=t1 - t0,
         work_device_s=work,
+        carried_device_s=carried,
     )
 
 

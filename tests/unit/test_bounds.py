@@ -135,3 +135,33 @@ def test_the_time_account_resolves_overlaps_and_sums_to_devices_times_window():
     assert got.total_s == pytest.approx(2 * 10.0)
     # a window cuts every interval at its edges
     assert account(ledger, (2.5, 4.5), 2, thresholds={"rollout": 5}).total_s == pytest.approx(4.0)
+
+
+def test_warm_up_training_inside_the_window_counts_as_work():
+    inference = {Role.ROLLOUT: _flat(0.01), Role.REWARD: _flat(0.02)}
+    steps = [step_bound(_one_sequence(k), inference, _trainer(4), devices=4) for k in range(4)]
+    train = steps[0].work_device_s["training"]
+    measured = sum(s.work_s for s in steps[2:])
+    # warm-up steps 0 and 1; the window opens at 5 s, when step 0 had ended (at 4 s) but step 1
+    # had not (6 s): step 1 trained after step 0, so maybe before 5 s; nothing of step 0 counts
+    run = run_bound(
+        steps,
+        devices=4,
+        staleness=1,
+        window=(5.0, 20.0),
+        first_step=2,
+        history=[(0.0, 4.0), (1.0, 6.0)],
+    )
+    assert run.carried_device_s == 0.0
+    assert run.work_s == pytest.approx(measured / 4)
+    # opened at 3 s, before step 0 ended: step 1's training lay wholly inside the window
+    early = run_bound(
+        steps,
+        devices=4,
+        staleness=1,
+        window=(3.0, 20.0),
+        first_step=2,
+        history=[(0.0, 4.0), (1.0, 6.0)],
+    )
+    assert early.carried_device_s == pytest.approx(train)
+    assert early.work_s == pytest.approx((measured + train) / 4)
