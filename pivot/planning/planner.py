@@ -17,7 +17,12 @@ Five steps (DESIGN.md, "The planner"; the authors' code as paper-notes.md sectio
    for the sequences it moves, and rebalances only where that still wins.
 
 Gates: one shift at a time, a cooldown after each action, immunity of newly woken replicas
-from eviction, at most ``max_moves_per_action`` wakes per plan. Training moves as a whole and
+from eviction, at most ``max_moves_per_action`` wakes per plan, and the rollout's latency
+floor (``rollout_latency_floor``): the objective prices throughput, not the critical path,
+and would pack the long responses onto a few crowded replicas, so no plan takes the rollout
+below the replicas at which its mean load decodes within ``floor_itl_slack`` of one
+sequence alone (with ``batch_start_surge`` the rollout also grows to it onto idle reward
+replicas). Training moves as a whole and
 ahead of everything else: a waiting trainer lends its pool, a ready one takes it all back, and
 so does a waiting one whose batch is forecast ready within the time the reclaim takes.
 With ``lending.learn`` the Planner also times steps with the pool lent and kept
