@@ -1144,6 +1144,7 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "no-reprefill-price": {"price_reprefill": False},
     "no-early-reclaim": {"early_reclaim": False},
     "no-gradient-helpers": {"gradient_helpers": False},
+    "no-rollout-floor": {"rollout_floor": False},
 }
 
 

@@ -71,6 +71,7 @@ ABLATION_NAMES = (
     "no-reprefill-price",
     "no-early-reclaim",
     "no-gradient-helpers",
+    "no-rollout-floor",
     "rule-based",
 )
 # --baseline-router: "best" runs each baseline's Table 4 split with each rule and keeps the

@@ -80,15 +80,18 @@ def test_phi_charges_the_victims_reprefill_at_their_prefill_rate():
         *reps, training(SPEC), trainer=TrainerPhase.TRAINING, reward_queue=(800, 800 * 5000)
     )
     migrate, rate = 5.0, 1e5
-    priced = plan_shift(SPEC, snap, with_prefill(rate), migrate_time_s=migrate)
+    # (the rollout's latency floor would keep every one of these loaded replicas)
+    floorless = PlannerSettings(rollout_floor=False)
+    priced = plan_shift(SPEC, snap, with_prefill(rate), migrate_time_s=migrate, settings=floorless)
     unpriced = plan_shift(
         SPEC,
         snap,
         with_prefill(rate),
         migrate_time_s=migrate,
-        settings=PlannerSettings(price_reprefill=False),
+        settings=PlannerSettings(price_reprefill=False, rollout_floor=False),
     )
-    assert plan_shift(SPEC, snap, MODELS, migrate_time_s=migrate) == unpriced  # no rate known
+    no_rate = plan_shift(SPEC, snap, MODELS, migrate_time_s=migrate, settings=floorless)
+    assert no_rate == unpriced  # no rate known
     hold = (migrate + 40 * 3000 / rate) / migrate  # seconds a victim's sequences are held up
     pairs = [(p, u) for p, u in zip(priced.candidates, unpriced.candidates, strict=True)]
     assert pairs and all(p.victims == u.victims > 0 for p, u in pairs)
