@@ -520,8 +520,7 @@ class Controller(Actor):
             return QueueState(report.queued, report.queued_tokens)
 
         now = self.clock.now()
-        # negative once overdue: the planner tells a late forecast from a wrong one
-        ready_in = None if self._ready_at is None else self._ready_at - now
+        ready_in = None if self._ready_at is None else max(self._ready_at - now, 0.0)
         # a tick may come up to one period late: the reclaim starts that much earlier
         lead = self._reclaim_s + self.settings.interval_s if self._reclaim_s else 0.0
         return ClusterSnapshot(

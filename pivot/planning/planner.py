@@ -21,8 +21,7 @@ from eviction, at most ``max_moves_per_action`` wakes per plan, and the rollout'
 floor (``rollout_latency_floor``): the objective prices throughput, not the critical path,
 and would pack the long responses onto a few crowded replicas, so no plan takes the rollout
 below the replicas at which its mean load decodes within ``floor_itl_slack`` of one
-sequence alone (with ``batch_start_surge`` the rollout also grows to it onto idle reward
-replicas). Training moves as a whole and
+sequence alone. Training moves as a whole and
 ahead of everything else: a waiting trainer lends its pool, a ready one takes it all back, and
 so does a waiting one whose batch is forecast ready within the time the reclaim takes.
 With ``lending.learn`` the Planner also times steps with the pool lent and kept
@@ -113,9 +112,6 @@ class PlannerSettings(ConfigStruct, kw_only=True):
     # reclaim the lent pool once the batch is forecast ready within the reclaim's time, not
     # once it is ready (the reclaim then leaves the critical path)
     early_reclaim: bool = True
-    # a waiting trainer's pool held for a forecast overdue by more than the reclaim's time is
-    # lent again (a batch's last judgment can run a minute past the forecast)
-    lend_past_overdue_forecast: bool = False  # measured on the 1.5B group: no gain, so off
     # inference replicas with nothing to run until the train step ends compute gradients
     # for it (pivot.planning.helpers), where the trainer's backend takes them
     gradient_helpers: bool = True
@@ -126,11 +122,6 @@ class PlannerSettings(ConfigStruct, kw_only=True):
     # plan evicts the rollout below it
     rollout_floor: bool = True
     floor_itl_slack: PositiveFloat = 0.4
-    # batch-start surge: below its floor the rollout also grows onto free devices and reward
-    # replicas running at most ``surge_victim_running`` sequences, ahead of the throughput
-    # objective (measured on the 1.5B group: slower, so off)
-    batch_start_surge: bool = False
-    surge_victim_running: NonNegativeInt = 0
     # rule-based policy: KV-cache pressure thresholds
     kv_high: PositiveFloat = 0.8
     kv_low: NonNegativeFloat = 0.1
@@ -262,23 +253,6 @@ def plan_shift(
         ),
         Role.REWARD: 0,
     }
-    if settings.batch_start_surge and floor[Role.ROLLOUT] > len(by_role[Role.ROLLOUT]):
-        surge = _surge_plan(
-            spec,
-            snapshot,
-            loads,
-            holder_of_device,
-            local,
-            role_of,
-            lendable,
-            floor,
-            settings,
-            migrate,
-            before,
-        )
-        if surge is not None:
-            return done(surge[0], surge[1], bottleneck=tuple(receivers), objective=before)
-
     plans: list[tuple[Role, CandidatePlan]] = []
     for receiver in receivers:
         donor = other_inference_role(receiver)
@@ -405,20 +379,15 @@ def _trainer_plan(
 def _ready_soon(snapshot: ClusterSnapshot, settings: PlannerSettings) -> bool:
     """Whether the batch the waiting trainer needs is forecast ready within the reclaim's
     time: then a lent pool comes back now, so that the reclaim ends as the batch is ready, and
-    a held one is not lent (it would be reclaimed at once). A forecast overdue by more than
-    the reclaim's time is wrong (the batch's tail is longer than the last one's), and with
-    ``lend_past_overdue_forecast`` it no longer holds the pool idle: it is lent until the
-    batch is ready or forecast anew. Once reclaimed, the Controller
+    a held one is not lent (it would be reclaimed at once). Once reclaimed, the Controller
     reads the trainer as ready, so a forecast that moves later does not lend it out again."""
     ready_in = snapshot.trainer_ready_in_s
-    reclaim = snapshot.trainer_reclaim_s
     return (
         settings.early_reclaim
         and snapshot.trainer is TrainerPhase.WAITING
         and ready_in is not None
-        and reclaim > 0
-        and ready_in <= reclaim
-        and not (settings.lend_past_overdue_forecast and ready_in < -reclaim)
+        and snapshot.trainer_reclaim_s > 0
+        and ready_in <= snapshot.trainer_reclaim_s
     )
 
 
@@ -471,10 +440,10 @@ def rollout_latency_floor(
     demand: int, tokens: float, model: CostModel, max_running: int, settings: PlannerSettings
 ) -> int:
     """Rollout replicas the latency floor wants for ``demand`` outstanding sequences holding
-    ``tokens`` KV tokens (0 with the floor and the surge off): the fewest at which an even
+    ``tokens`` KV tokens (0 with the floor off): the fewest at which an even
     share, at most ``max_running`` a replica, decodes within ``floor_itl_slack`` of one
     sequence of the mean context alone."""
-    if not (settings.rollout_floor or settings.batch_start_surge) or demand <= 0:
+    if not settings.rollout_floor or demand <= 0:
         return 0
     context = tokens / demand
     share = np.arange(1, max(max_running, 1) + 1, dtype=np.float64)
@@ -494,46 +463,6 @@ def kv_tokens_from_itl(load: RoleLoad) -> np.ndarray:
         return load.tokens
     implied = (itl - np.maximum(model.b, model.c * load.running) - model.d) / model.a
     return np.where((itl > 0) & (load.running > 0), np.maximum(load.tokens, implied), load.tokens)
-
-
-def _surge_plan(
-    spec: ClusterSpec,
-    snapshot: ClusterSnapshot,
-    loads: dict[Role, RoleLoad],
-    owner: np.ndarray,
-    local: np.ndarray,
-    role_of: np.ndarray,
-    lendable: bool,
-    floor: Mapping[Role, int],
-    settings: PlannerSettings,
-    migrate: float,
-    before: float,
-) -> tuple[ShiftPlan, str] | None:
-    """Grow the rollout towards its surge floor onto free devices and near-idle reward
-    replicas, cheapest first; the throughput objective does not judge it (it prices
-    throughput, and the surge buys the critical response's latency). The reward role keeps
-    the replicas its outstanding sequences need at its router's cap."""
-    rollout, reward = loads[Role.ROLLOUT], loads[Role.REWARD]
-    want = floor[Role.ROLLOUT] - len(rollout.replicas)
-    cap = reward.router.settings.max_concurrent_per_replica
-    keep = max(math.ceil(reward.demand / cap), 1 if reward.demand else 0)
-    phi, evictable = _victim_table(reward, snapshot.now, settings, migrate, keep)
-    evictable &= reward.running <= settings.surge_victim_running
-    holder = _holders(spec, owner, local, role_of == _CODE[Role.REWARD], evictable, lendable)
-    groups = wake_groups(spec.slots(Role.ROLLOUT), holder, spec.is_trainer_pool, phi)
-    plans = best_plans(groups, want, phi)
-    if not plans:
-        return None
-    chosen = plans[-1]
-    score = CandidateScore(
-        Role.ROLLOUT, len(chosen.slots), len(chosen.victims), 0.0, chosen.phi, -chosen.phi
-    )
-    plan = _shift_plan(spec, snapshot, loads, Role.ROLLOUT, chosen, None, score, before)
-    reason = (
-        f"batch-start surge: rollout +{score.wakes} (evicting {score.victims}) towards "
-        f"{floor[Role.ROLLOUT]} replicas for {rollout.demand} sequences"
-    )
-    return plan, reason
 
 
 def _victim_table(

@@ -52,8 +52,7 @@ class ClusterSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     rollout_queue: QueueState = msgspec.field(default_factory=QueueState)
     reward_queue: QueueState = msgspec.field(default_factory=QueueState)
     trainer: TrainerPhase = TrainerPhase.WAITING
-    # seconds until the batch the trainer waits for is predicted ready (None: no forecast;
-    # negative: overdue by that much),
+    # seconds until the batch the trainer waits for is predicted ready (None: no forecast),
     # and how long taking its pool back takes (measured; 0: never measured)
     trainer_ready_in_s: float | None = None
     trainer_reclaim_s: float = 0.0

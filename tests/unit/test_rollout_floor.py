@@ -1,15 +1,13 @@
 """The rollout's latency floor (no plan evicts the rollout below the replicas at which its
-mean load decodes within a slack of one sequence alone), the batch-start surge that grows it
-onto idle reward replicas, and lending a pool held for an overdue forecast.
+mean load decodes within a slack of one sequence alone).
 
 Cluster as in test_planner_scenarios: rollout TP1, reward TP4, devices 12..15 the pool.
 """
 
 import math
 
-import msgspec
 import pytest
-from planner_cases import MODELS, ROLLOUT_MODEL, cluster, replica, snapshot, training
+from planner_cases import MODELS, ROLLOUT_MODEL, cluster, replica, snapshot
 
 from pivot.cluster import Role
 from pivot.planning.evaluation import build_role_load
@@ -20,7 +18,7 @@ from pivot.planning.planner import (
     rollout_latency_floor,
 )
 from pivot.planning.routing import ROLLOUT_ROUTER, make_router
-from pivot.planning.snapshot import QueueState, TrainerPhase
+from pivot.planning.snapshot import QueueState
 
 SPEC = cluster()
 
@@ -51,7 +49,6 @@ def test_the_floor_grows_with_context_and_shrinks_with_slack_and_is_off_when_ask
     assert floor(8000.0) > floor(500.0)
     assert floor(3000.0, floor_itl_slack=0.1) > floor(3000.0, floor_itl_slack=1.0)
     assert floor(3000.0, rollout_floor=False) == 0
-    assert floor(3000.0, rollout_floor=False, batch_start_surge=True) == floor(3000.0)
     assert rollout_latency_floor(0, 0.0, ROLLOUT_MODEL, 512, PlannerSettings()) == 0
 
 
@@ -107,55 +104,3 @@ def test_no_plan_evicts_the_rollout_below_its_floor():
     assert len(rollout) - len(evicted_rollout(freely)) < floor  # the floor binds here
     guarded = decide(snap)
     assert len(rollout) - len(evicted_rollout(guarded)) >= floor, guarded.reason
-
-
-def batch_start(reward_running):
-    """A batch just admitted: two rollout replicas and a long rollout queue; two reward
-    replicas, one holding ``reward_running[i]`` sequences each."""
-    rollout = [replica(f"ro{d}", Role.ROLLOUT, (d,), running=64, tokens=300) for d in (0, 1)]
-    reward = [
-        replica(f"rm{i}", Role.REWARD, range(4 + 4 * i, 8 + 4 * i), running=n)
-        for i, n in enumerate(reward_running)
-    ]
-    return snapshot(
-        *rollout,
-        *reward,
-        training(SPEC),
-        rollout_queue=(2000, 400_000),
-        reward_queue=(0, 0),
-        trainer=TrainerPhase.TRAINING,
-    )
-
-
-def test_the_surge_grows_the_rollout_onto_idle_reward_replicas_only():
-    snap = batch_start((0, 3))
-    d = decide(snap, batch_start_surge=True)
-    assert d.plan is not None and d.plan.receiver is Role.ROLLOUT, d.reason
-    assert "surge" in d.reason
-    assert {m.replica_id for m in d.plan.evictions} == {"rm0"}  # rm1 runs 3 > 0
-    woken = {dev for m in d.plan.wakes for dev in m.devices}
-    assert woken <= set(range(2, 8))  # free devices 2, 3 and rm0's 4..7
-    # a victim threshold above rm1's load takes it too, but keeps the replica reward needs
-    d = decide(snap, batch_start_surge=True, surge_victim_running=3)
-    assert {m.replica_id for m in d.plan.evictions} == {"rm0"}
-    # off: the throughput objective decides, and it does not evict rm0 for the rollout
-    d = decide(snap)
-    assert d.plan is None or "surge" not in d.reason
-
-
-def test_a_pool_held_for_an_overdue_forecast_is_lent_with_the_setting_on():
-    snap = snapshot(training(SPEC), replica("rm", Role.REWARD, range(4), running=9))
-
-    def plan(ready_in, **settings):
-        held = msgspec.structs.replace(snap, trainer_ready_in_s=ready_in, trainer_reclaim_s=10.0)
-        return decide(held, **settings).plan
-
-    on = {"lend_past_overdue_forecast": True}
-    for ready_in in (5.0, -5.0):  # due soon, or late by less than the reclaim: held
-        for settings in ({}, on):
-            p = plan(ready_in, **settings)
-            assert p is None or p.kind != "lend_trainer"
-    late = plan(-25.0, **on)
-    assert late is not None and late.kind == "lend_trainer"
-    kept = plan(-25.0)
-    assert kept is None or kept.kind != "lend_trainer"
