@@ -142,26 +142,19 @@ def test_warm_up_training_inside_the_window_counts_as_work():
     steps = [step_bound(_one_sequence(k), inference, _trainer(4), devices=4) for k in range(4)]
     train = steps[0].work_device_s["training"]
     measured = sum(s.work_s for s in steps[2:])
-    # warm-up steps 0 and 1; the window opens at 5 s, when step 0 had ended (at 4 s) but step 1
-    # had not (6 s): step 1 trained after step 0, so maybe before 5 s; nothing of step 0 counts
-    run = run_bound(
-        steps,
-        devices=4,
-        staleness=1,
-        window=(5.0, 20.0),
-        first_step=2,
-        history=[(0.0, 4.0), (1.0, 6.0)],
-    )
-    assert run.carried_device_s == 0.0
-    assert run.work_s == pytest.approx(measured / 4)
+
+    def opened_at(t0: float):
+        # warm-up steps 0 and 1 ended at 4 s and 6 s
+        history = [(0.0, 4.0), (1.0, 6.0)]
+        return run_bound(
+            steps, devices=4, staleness=1, window=(t0, 20.0), first_step=2, history=history
+        )
+
+    # opened at 5 s, after step 0 ended: step 1 trained after 4 s, maybe before the window
+    late = opened_at(5.0)
+    assert late.carried_device_s == 0.0
+    assert late.work_s == pytest.approx(measured / 4)
     # opened at 3 s, before step 0 ended: step 1's training lay wholly inside the window
-    early = run_bound(
-        steps,
-        devices=4,
-        staleness=1,
-        window=(3.0, 20.0),
-        first_step=2,
-        history=[(0.0, 4.0), (1.0, 6.0)],
-    )
+    early = opened_at(3.0)
     assert early.carried_device_s == pytest.approx(train)
     assert early.work_s == pytest.approx((measured + train) / 4)
