@@ -75,6 +75,11 @@ class CostModel(msgspec.Struct, frozen=True):
     def itl_one(self, running: float, tokens: float) -> float:
         return max(self.a * tokens + max(self.b, self.c * running) + self.d, ITL_FLOOR_S)
 
+    def tokens_at(self, running, itl_s):
+        """The KV tokens at which ``running`` sequences decode at ``itl_s`` (``itl``
+        inverted; vectorised). Needs ``a > 0``: without it ITL says nothing of the tokens."""
+        return (itl_s - np.maximum(self.b, self.c * running) - self.d) / self.a
+
     def throughput(self, running, tokens):
         """Decode tokens per second of replicas; 0 where nothing runs."""
         return running / self.itl(running, tokens)

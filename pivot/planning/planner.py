@@ -242,17 +242,16 @@ def plan_shift(
     if not receivers:
         return done(None, "no demand in either inference role")
 
-    rollout = loads[Role.ROLLOUT]
-    floor = {
-        Role.ROLLOUT: rollout_latency_floor(
+    floor = {Role.ROLLOUT: 0, Role.REWARD: 0}
+    if Role.REWARD in receivers:  # only a growing reward role takes rollout replicas
+        rollout = loads[Role.ROLLOUT]
+        floor[Role.ROLLOUT] = rollout_latency_floor(
             rollout.demand,
             float(kv_tokens_from_itl(rollout).sum()) + rollout.queue.tokens,
             rollout.model,
             rollout.router.settings.max_concurrent_per_replica,
             settings,
-        ),
-        Role.REWARD: 0,
-    }
+        )
     plans: list[tuple[Role, CandidatePlan]] = []
     for receiver in receivers:
         donor = other_inference_role(receiver)
@@ -456,12 +455,11 @@ def rollout_latency_floor(
 def kv_tokens_from_itl(load: RoleLoad) -> np.ndarray:
     """Per replica, its KV tokens: the larger of the scheduler's count, which knows each
     sequence's length only as of its last dispatch, and what the replica's measured ITL at
-    its batch says through the cost model (``ITL = a*tokens + max(b, c*running) + d``)."""
-    model = load.model
+    its batch says through the cost model (``CostModel.tokens_at``)."""
     itl = np.array([r.itl_s for r in load.replicas], dtype=np.float64)
-    if model.a <= 0 or not itl.size:
+    if load.model.a <= 0 or not itl.size:
         return load.tokens
-    implied = (itl - np.maximum(model.b, model.c * load.running) - model.d) / model.a
+    implied = load.model.tokens_at(load.running, itl)
     return np.where((itl > 0) & (load.running > 0), np.maximum(load.tokens, implied), load.tokens)
 
 
