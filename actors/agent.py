@@ -307,6 +307,7 @@ class RoleAgent(Actor):
                 role=self.role.value,
                 max_running=self.engine.stats().max_running,
                 held=sorted(self._held),
+                agent_incarnation=self.incarnation,
             ),
             timeout=self.report_timeout,
         )
@@ -389,6 +390,7 @@ class RoleAgent(Actor):
         stats = engine.stats() if engine is not None else None
         return AgentState(
             agent=self.name,
+            incarnation=self.incarnation,
             device=self.device,
             role=self.role,
             replica=self.replica,

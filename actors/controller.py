@@ -878,6 +878,7 @@ class Controller(Actor):
                 AgentView(
                     device=device.id,
                     agent=name,
+                    incarnation=state.incarnation,
                     role=state.role,
                     replica=state.replica,
                     devices=tuple(state.devices),
@@ -892,6 +893,7 @@ class Controller(Actor):
                 schedulers[role] = SchedulerView(
                     role=role,
                     replicas={r.replica: r.agent for r in report.replicas},
+                    agent_incarnations={r.replica: r.agent_incarnation for r in report.replicas},
                     cut=frozenset(report.cut),
                 )
         holds = None

@@ -124,6 +124,7 @@ class RegisterReplica(RLMessage, kw_only=True):
     role: str
     max_running: int
     held: list[int] = []
+    agent_incarnation: int = 0  # the agent instance's (Actor.incarnation); 0: not said
     protocol: int = PROTOCOL_VERSION
 
 

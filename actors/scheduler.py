@@ -134,6 +134,9 @@ class Scheduler(Actor):
         self._rows: dict[str, ReplicaRunning] = {}  # QueryLoad's row per replica, as last built
         self._work: dict[int, Work] = {}
         self._agents: dict[str, str] = {}  # replica -> agent actor
+        # replica -> the incarnation of the agent instance that registered it: recovery
+        # tells an agent that restarted (and lost the replica) from one that released it
+        self._agent_incarnations: dict[str, int] = {}
         self._cut: set[str] = set()
         # replicas an Assign failed to reach: routing skips them until their agent answers a
         # Ping or registers again (the Controller's cut is separate: it restores its own)
@@ -184,6 +187,7 @@ class Scheduler(Actor):
             self._requeue_lost(msg.replica, set(msg.held))
         self._trust(msg.replica)
         self._agents[msg.replica] = msg.agent
+        self._agent_incarnations[msg.replica] = msg.agent_incarnation
         self.core.changed.add(msg.replica)  # its row names the agent
         self._update_cut()
         self.log.info("replica registered", replica=msg.replica, agent=msg.agent)
@@ -254,6 +258,7 @@ class Scheduler(Actor):
             self._mark_migrating(generated, began)
             requeued = self.core.remove_replica(replica, generated)
             del self._agents[replica]
+            del self._agent_incarnations[replica]
             del self._incarnations[replica]
             self._locks.pop(replica, None)
             self._trust(replica)
@@ -351,6 +356,7 @@ class Scheduler(Actor):
                 row = rows[replica] = ReplicaRunning(
                     replica=replica,
                     agent=self._agents.get(replica, ""),
+                    agent_incarnation=self._agent_incarnations.get(replica, 0),
                     seq_ids=tuple([s.id for s in seqs]),
                     seq_tokens=tuple([s.prompt_tokens + s.generated_tokens for s in seqs]),
                 )

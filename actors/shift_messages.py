@@ -73,6 +73,7 @@ class QueryLoad(RLMessage, kw_only=True):
 class ReplicaRunning(msgspec.Struct, frozen=True, kw_only=True):
     replica: str
     agent: str
+    agent_incarnation: int = 0  # of the agent instance that registered it; 0: not said
     # tuples, as the planner's ReplicaState holds them: decoded once, never copied
     seq_ids: tuple[int, ...]
     seq_tokens: tuple[int, ...]  # per sequence: prompt + generated as of its last dispatch
@@ -142,6 +143,7 @@ class Register(RLMessage, kw_only=True):
 
 class AgentState(RLMessage, kw_only=True):
     agent: str
+    incarnation: int = 0  # the agent instance's (Actor.incarnation); 0: not said
     device: int | None
     role: Role
     replica: str | None

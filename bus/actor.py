@@ -336,7 +336,7 @@ class Actor:
         self._next_cid = 1
         # signed frames (see pivot.bus.codec): this instance's incarnation, the counter of
         # the last request to each destination, and what was accepted from whom
-        self._incarnation = secrets.randbits(64)
+        self._incarnation = secrets.randbits(64) or 1
         self._sealed: dict[str, int] = {}
         self._requests_seen = ReplayWindow(REQUEST_WINDOW, REPLAY_MEMORY)
         self._publications_seen = ReplayWindow(1, REPLAY_MEMORY)
@@ -356,6 +356,11 @@ class Actor:
     @property
     def running(self) -> bool:
         return self._state == "running"
+
+    @property
+    def incarnation(self) -> int:
+        """This instance's random 64-bit id (never 0): a restarted actor has a new one."""
+        return self._incarnation
 
     async def start(self) -> None:
         """Bind, run ``on_start``, then start ``run`` in the background."""

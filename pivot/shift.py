@@ -464,6 +464,7 @@ class AgentView(msgspec.Struct, frozen=True, kw_only=True):
     weights_version: int = -1
     running: tuple[int, ...] = ()
     reachable: bool = True
+    incarnation: int = 0  # the agent instance's id (a restart makes a new one); 0: unknown
 
 
 class SchedulerView(msgspec.Struct, frozen=True, kw_only=True):
@@ -472,6 +473,8 @@ class SchedulerView(msgspec.Struct, frozen=True, kw_only=True):
     role: Role
     replicas: dict[str, str]
     cut: frozenset[str] = frozenset()
+    # replica -> the incarnation of the agent instance that registered it (0: unknown)
+    agent_incarnations: dict[str, int] = {}
 
 
 class Reconciliation(NamedTuple):
@@ -577,10 +580,23 @@ def reconcile(
                     join.append(RestoreRoute(role, replica_id))
                 continue
             leader = next((v for v in agents if v.agent == agent), None)
-            force = leader is None or not leader.reachable
+            registered = view.agent_incarnations.get(replica_id, 0)
+            # a restarted agent lost the replica's sequences with its process: nobody can
+            # hand back their partial output, as with one that is gone
+            restarted = (
+                leader is not None
+                and 0 not in (registered, leader.incarnation)
+                and leader.incarnation != registered
+            )
+            force = leader is None or not leader.reachable or restarted
+            why = ""
+            if restarted:
+                why = " (its agent restarted)"
+            elif force:
+                why = " (its agent is unreachable)"
             problems.append(
                 f"the {role.value} scheduler routes to {replica_id!r}, which no agent holds "
-                f"as {role.value}" + (" (its agent is unreachable)" if force else "")
+                f"as {role.value}{why}"
             )
             evacuate.append(EvacuateReplica(role, replica_id, force=force))
     for replica in valid.values():

@@ -7,7 +7,9 @@ it would have produced without the shift; every sequence must complete exactly o
 
 from __future__ import annotations
 
+import io
 import itertools
+import json
 
 import msgspec
 import pytest
@@ -61,6 +63,7 @@ from pivot.bus import (
     Bus,
     LocalTransport,
     RemoteError,
+    configure_logging,
     handles,
     run_virtual,
 )
@@ -709,6 +712,51 @@ def test_recovery_reconciles_a_half_acquired_replica_and_a_stale_registration(tm
         await cluster.stop()
 
     run_virtual(main)
+
+
+def test_recovery_forces_out_the_replica_of_an_agent_that_restarted_while_it_was_down(tmp_path):
+    """Device 2's agent dies holding rollout@2 and its supervisor starts it again (free) before
+    any Controller runs: the scheduler still routes to rollout@2 under the same agent name,
+    but another instance answers, so recovery removes the replica forced (no process holds
+    its partial output) and its sequences run elsewhere, each once."""
+    stream = io.StringIO()
+    configure_logging("info", json=True, stream=stream)
+
+    async def main(clock):
+        cluster = Cluster(clock, four_devices(), rollout_heavy_layout())
+        await cluster.start()
+        await cluster.submit("rollout", 0, 6, 30)
+        await clock.sleep(0.05)
+        dead = cluster.agents[2]
+        assert dead.state().running
+        await dead.stop()  # its engines (the process's memory) are gone with it
+        engines = cluster.engines[2] = {"rollout": scripted_engine(), "reward": scripted_engine()}
+        again = cluster.agents[2] = RoleAgent(
+            dead.name,
+            cluster.bus,
+            device=2,
+            engines=engines,
+            weights={"rollout": no_weights, "reward": no_weights},
+            stepping=Inline(pace=True),
+            report_timeout=5.0,
+        )
+        await again.start()
+        assert again.incarnation != dead.incarnation
+        controller = await cluster.run_controller(open_journal(tmp_path / "journal"))
+        await controller.recovered.wait()
+        assert any("rollout@2" in p and "restarted" in p for p in controller.recovery_problems)
+        assert "rollout@2" not in cluster.schedulers[Role.ROLLOUT].routes
+        await cluster.until_done()
+        cluster.check_outputs()
+        await cluster.stop()
+
+    run_virtual(main)
+    removed = [
+        line
+        for line in map(json.loads, stream.getvalue().splitlines())
+        if line["event"] == "replica removed" and line["replica"] == "rollout@2"
+    ]
+    assert [(r["forced"], r["requeued"] > 0) for r in removed] == [(True, True)]
 
 
 # --- bad input -------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ planned (less any given-up wake)."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from pivot.cluster import (
@@ -429,6 +430,26 @@ def test_reconcile_forces_the_removal_of_a_replica_whose_agent_is_gone():
         {R: sched(R, "rollout@0", "rollout@1"), W: sched(W, "reward@2", "reward@3")},
     )
     assert result.stages == [[EvacuateReplica(R, "rollout@1", force=True)]]
+
+
+@pytest.mark.parametrize(
+    ("now", "registered", "force"),
+    [(7, 7, False), (8, 7, True), (0, 7, False), (8, 0, False)],
+    ids=["released", "restarted", "agent-silent", "scheduler-silent"],
+)
+def test_reconcile_forces_the_removal_of_a_replica_whose_agent_restarted(now, registered, force):
+    # device 1's agent is reachable and free; the scheduler routes to the replica that agent
+    # registered: forced only when the agent answering now is another instance than that one
+    agents = [
+        msgspec.structs.replace(v, incarnation=now) if v.device == 1 else v
+        for v in views(CONSISTENT | {1: (Role.FREE, None, ())})
+    ]
+    rollout = msgspec.structs.replace(
+        sched(R, "rollout@0", "rollout@1"), agent_incarnations={"rollout@1": registered}
+    )
+    result = reconcile(spec(), agents, {R: rollout, W: sched(W, "reward@2", "reward@3")})
+    assert result.stages[0] == [EvacuateReplica(R, "rollout@1", force=force)]
+    assert ("restarted" in result.problems[0]) is force
 
 
 @pytest.mark.parametrize(
