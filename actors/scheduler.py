@@ -338,7 +338,7 @@ class Scheduler(Actor):
                     if m.seq_id not in generated:
                         continue  # finished on the agent meanwhile: its report is on the way
                     if m.target in self._agents:
-                        d = self.core.dispatch_to(m.seq_id, m.target)
+                        d = self.core.dispatch_to(m.seq_id, m.target, now=self.clock.now())
                         placed[d.replica_id].append(self._work[d.seq_id])
         moved = sum(len(ws) for ws in placed.values())
         await self._send_assigns(placed)
@@ -486,7 +486,7 @@ class Scheduler(Actor):
 
     async def _dispatch(self) -> None:
         placed: dict[str, list[Work]] = defaultdict(list)
-        for d in self.core.dispatch():
+        for d in self.core.dispatch(now=self.clock.now()):
             placed[d.replica_id].append(self._work[d.seq_id])
         await self._send_assigns(placed)
 

@@ -27,6 +27,7 @@ class Sequence(msgspec.Struct, kw_only=True):
     policy_version: int = 0
     attempts: int = 0  # aborts survived; > 0 means the next dispatch re-prefills
     session: str = ""  # a multi-turn session's id: routing prefers the replica of its last turn
+    placed_at: float = 0.0  # when it was last dispatched to a replica (the scheduler's clock)
 
     @property
     def tokens(self) -> int:

@@ -8,6 +8,16 @@ One protocol, ``Router``, three small rules:
 * ``LowestItlRouter`` (reward): the smallest (ITL(load + 1), load, position), under the cap.
 * ``RoundRobinRouter`` (baselines): the next replica in turn that is under its cap.
 
+Under any rule a role may **protect** the replicas that decode its oldest sequences
+(``RouterSettings.protect_after_s``): a replica holding a sequence dispatched at least that
+long ago, among the oldest ``protect_share`` of the replicas, takes no new sequence. A sequence
+still running long after its dispatch is likely one of its batch's last, which set when the
+batch is scored; on a protected replica it no longer stalls for newcomers' prefills (a
+judgment's prompt holds its whole response, and the engine prefills it before the batch's
+next decode) nor decodes among them. Measured on the simulated 1.5B group (GenRM, 24 steps,
+seed 0): each long judgment's residence was 1.30x its decode alone, half of the excess others'
+prefills; protecting the reward role's replicas lifts samples/s by 5%.
+
 Each rule routes one sequence (``choose``) and scores, for a batch of sequences of one mean
 length, each (replica, k-th more sequence) slot (``slot_scores``). With one cost model per
 role, every rule's scores fall as a replica fills, so routing the batch one sequence at a
@@ -32,7 +42,7 @@ import msgspec
 import numpy as np
 
 from pivot.cluster import Role
-from pivot.config import ConfigStruct, NonNegativeFloat, PositiveInt
+from pivot.config import ConfigStruct, NonNegativeFloat, PositiveInt, UnitInterval
 from pivot.planning.cost import CostModel
 from pivot.planning.queue import Owner, Sequence, SequenceLedger, WaitingQueue
 
@@ -43,6 +53,21 @@ class RouterSettings(ConfigStruct, kw_only=True):
     policy: RouterPolicy
     delta_throughput_threshold: NonNegativeFloat = 0.2
     max_concurrent_per_replica: PositiveInt = 512
+    # protect the replicas decoding the oldest sequences (the module docstring): a replica
+    # whose oldest sequence was dispatched at least this many seconds ago (0: never), among
+    # the oldest ``protect_share`` of the role's replicas, takes no new sequence
+    protect_after_s: NonNegativeFloat = 0.0
+    protect_share: UnitInterval = 0.25
+
+
+#: a role protects the replicas of its oldest sequences where a newcomer's prefill stalls a
+#: replica's batch for at least this many decode iterations of one sequence alone (measured on
+#: the simulated groups: 79 for the 1.5B group's GenRM, whose protection gains, 13-18 for the
+#: others', whose protection gains nothing or loses 1%)
+PROTECT_STALL_ITERATIONS = 32.0
+#: a sequence still running this long after its dispatch is taken for one of its batch's last
+#: (the 1.5B group gains the same 5% at 20 s and at 40 s)
+PROTECT_AFTER_S = 20.0
 
 
 # The paper launchers' router settings (reference/paper-notes.md, section 2.5)
@@ -174,6 +199,18 @@ class RoundRobinRouter:
         return score
 
 
+def protecting(
+    settings: RouterSettings, model: CostModel, prompt_tokens: float, prefill_tokens_per_s: float
+) -> RouterSettings:
+    """``settings`` with the oldest sequences' replicas protected (``PROTECT_AFTER_S``) where a
+    prompt of ``prompt_tokens`` (a role's mean) stalls the batch that long
+    (``PROTECT_STALL_ITERATIONS``); unchanged elsewhere."""
+    stall_s = prompt_tokens / prefill_tokens_per_s
+    if stall_s < PROTECT_STALL_ITERATIONS * model.itl_one(1, prompt_tokens):
+        return settings
+    return msgspec.structs.replace(settings, protect_after_s=PROTECT_AFTER_S)
+
+
 def place_many(
     router: Router, running: np.ndarray, tokens: np.ndarray, count: int, mean_tokens: float
 ) -> np.ndarray:
@@ -261,6 +298,7 @@ class RoleScheduler:
         # replicas whose running sequences changed (or that came or went) since the owner
         # last cleared this set: a load report rebuilds only their rows
         self.changed: set[str] = set()
+        self._now = 0.0  # the clock as of the last dispatch (what placements are stamped with)
 
     # --- replicas -----------------------------------------------------------------------
 
@@ -355,6 +393,7 @@ class RoleScheduler:
         self.changed.add(replica_id)
         self._load[i] += 1
         self._tokens[i] += seq.tokens
+        seq.placed_at = self._now
         self.ledger.move(seq.id, Owner.replica(replica_id), expect=self._owner)
         reprefill = seq.attempts > 0
         if reprefill:
@@ -362,8 +401,32 @@ class RoleScheduler:
             self.reprefill_tokens += seq.tokens
         return Dispatch(seq.id, replica_id, seq.tokens, reprefill)
 
-    def dispatch(self, limit: int | None = None) -> list[Dispatch]:
-        """Route from the queue's head while the router admits (at most ``limit``).
+    def protected(self, now: float) -> np.ndarray | None:
+        """Which replicas (positions) take no new sequence at ``now`` because they decode the
+        role's oldest sequences (the module docstring), or None when none does."""
+        settings = self.router.settings
+        after = settings.protect_after_s
+        most = int(settings.protect_share * len(self._ids))
+        if after <= 0 or most < 1:
+            return None
+        old: list[tuple[float, int]] = []
+        for i, rid in enumerate(self._ids):
+            held = self._running[rid]
+            if held:
+                # held keeps dispatch order: its first sequence is its oldest
+                placed = next(iter(held.values())).placed_at
+                if now - placed >= after:
+                    old.append((placed, i))
+        if not old:
+            return None
+        old.sort()
+        mask = np.zeros(len(self._ids), dtype=bool)
+        mask[[i for _, i in old[:most]]] = True
+        return mask
+
+    def dispatch(self, limit: int | None = None, *, now: float = 0.0) -> list[Dispatch]:
+        """Route from the queue's head while the router admits (at most ``limit``); ``now``
+        stamps the placements and decides which replicas are protected.
 
         Stops at the first sequence the router leaves queued, so the queue's order (aborted
         first, then FIFO) is also the order of service. A session's sequence goes to the
@@ -371,6 +434,11 @@ class RoleScheduler:
         """
         sent: list[Dispatch] = []
         cap = self.router.settings.max_concurrent_per_replica
+        self._now = now
+        closed = self._closed
+        protected = self.protected(now)
+        if protected is not None:
+            closed = protected if closed is None else closed | protected
         while limit is None or len(sent) < limit:
             seq = self.queue.peek()
             if seq is None:
@@ -379,7 +447,6 @@ class RoleScheduler:
             if i >= 0:
                 self.session_hits += 1
             else:
-                closed = self._closed
                 load = self._load if closed is None else np.where(closed, cap, self._load)
                 i = self.router.choose(load, self._tokens, seq.tokens)
                 if i < 0:
@@ -399,9 +466,11 @@ class RoleScheduler:
         closed = self._closed
         return i if self._load[i] < cap and (closed is None or not closed[i]) else -1
 
-    def dispatch_to(self, seq_id: int, replica_id: str) -> Dispatch:
+    def dispatch_to(self, seq_id: int, replica_id: str, *, now: float | None = None) -> Dispatch:
         """Send one queued sequence to a chosen replica (a planned migration's destination)."""
         self._replica(replica_id)
+        if now is not None:
+            self._now = now
         return self._place(self.queue.remove(seq_id), replica_id)
 
     def abort(

@@ -10,6 +10,8 @@ from pivot.cluster import Role
 from pivot.planning.cost import CostModel
 from pivot.planning.queue import Owner, OwnershipError, Sequence, SequenceLedger
 from pivot.planning.routing import (
+    PROTECT_AFTER_S,
+    PROTECT_STALL_ITERATIONS,
     LowestItlRouter,
     RoleScheduler,
     RoundRobinRouter,
@@ -18,6 +20,7 @@ from pivot.planning.routing import (
     check_ownership,
     make_router,
     place_many,
+    protecting,
 )
 
 
@@ -184,3 +187,58 @@ def test_random_scheduler_events_never_lose_or_duplicate(ops):
     assert counts["submitted"] == next_id
     held = sum(len(ids) for ids in {**rollout.holdings(), **reward.holdings()}.values())
     assert held == counts["queued"] + counts["running"]
+
+
+def _protecting(after_s: float, share: float) -> RoleScheduler:
+    settings = RouterSettings(policy="lowest_itl", protect_after_s=after_s, protect_share=share)
+    core = RoleScheduler(Role.REWARD, make_router(settings, REWARD_MODEL), SequenceLedger())
+    for name in ("a", "b", "c", "d"):
+        core.add_replica(name)
+    return core
+
+
+def _placed(core: RoleScheduler, ids: range, now: float) -> list[str]:
+    for i in ids:
+        core.submit(Sequence(id=i, prompt_tokens=100))
+    return [d.replica_id for d in core.dispatch(now=now)]
+
+
+def test_replicas_decoding_the_oldest_sequences_take_no_new_ones():
+    core = _protecting(after_s=20.0, share=0.5)
+    assert _placed(core, range(4), now=0.0) == ["a", "b", "c", "d"]  # one each
+    core.complete("d", 3)
+    # "a" and "b" hold sequences 25 s old, "c" one 25 s old too, but the share protects 2 of 4
+    # replicas: the oldest ones ("a", "b": dispatched first, ties by position)
+    assert core.protected(25.0).tolist() == [True, True, False, False]
+    placed = _placed(core, range(10, 14), now=25.0)
+    assert set(placed) == {"c", "d"}, placed  # where lowest-ITL alone would use all four
+    # a replica whose old sequence finished is open again
+    core.complete("a", 0)
+    assert core.protected(26.0).tolist() == [False, True, True, False]
+
+
+def test_protection_waits_for_the_age_and_is_off_at_zero():
+    core = _protecting(after_s=20.0, share=0.5)
+    _placed(core, range(4), now=0.0)
+    assert core.protected(19.9) is None  # nothing old enough yet
+    assert _placed(core, range(10, 14), now=19.9) == ["a", "b", "c", "d"]
+    off = _protecting(after_s=0.0, share=1.0)
+    _placed(off, range(4), now=0.0)
+    assert off.protected(1e6) is None
+    # a migrated sequence's age counts from its new placement
+    core.abort("a", [0])
+    core.dispatch_to(0, "d", now=30.0)
+    assert [s.placed_at for s in core.running_on("d")] == [0.0, 19.9, 30.0]
+
+
+def test_a_role_protects_where_a_newcomers_prefill_stalls_the_batch_long():
+    alone = CostModel(a=0.0, b=0.0, c=0.0, d=0.008)  # 8 ms per iteration alone
+    rule = RouterSettings(policy="lowest_itl")
+    # 2,300 prompt tokens at 3.9k tokens/s: 0.59 s, 74 iterations (the 1.5B group's GenRM)
+    assert protecting(rule, alone, 2300.0, 3900.0).protect_after_s == PROTECT_AFTER_S
+    # at 45k tokens/s: 0.05 s, 6 iterations (a TP4 MoE judge): the rule is left as it is
+    assert protecting(rule, alone, 2300.0, 45000.0) == rule
+    # the threshold sits between: just under it and just over
+    edge = PROTECT_STALL_ITERATIONS * 0.008 * 3900.0
+    assert protecting(rule, alone, edge * 0.99, 3900.0) == rule
+    assert protecting(rule, alone, edge * 1.01, 3900.0).protect_after_s > 0
