@@ -94,8 +94,8 @@ from pivot.planning.routing import (
     ROLLOUT_ROUTER,
     Router,
     RouterSettings,
-    protecting,
     make_router,
+    protecting,
 )
 from pivot.shift import ShiftRecord
 from pivot.timeline import RoleSample, ShiftMark, TrainSpan, overall_throughput, steady_window
