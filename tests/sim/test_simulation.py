@@ -557,6 +557,21 @@ def test_pivot_runs_with_every_device_in_its_trainer_pool(tmp_path):
     assert {"lend_trainer", "reclaim_trainer"} <= {m.kind for m in result.marks}
 
 
+def test_pivot_protects_the_oldest_judgments_where_a_judgments_prefill_is_slow(tmp_path):
+    # a judgment's prompt (~130 tokens) at 100 tokens/s stalls a batch for ~130 iterations of
+    # the toy's 10 ms: PivotRL's reward routing protects; the baselines' and the ablation's not
+    slow = toy_workload(tmp_path, prompts=2, samples=4, genrm_prefill_tokens_per_s=100.0)
+    settings = SimulationSettings(steps=1)
+    protected = {"rollout": "throughput_optimal", "reward": "lowest_itl, oldest protected"}
+    assert simulate(slow, _pivot(slow, 8, 2), settings).routers == protected
+    plain = {"rollout": "throughput_optimal", "reward": "lowest_itl"}
+    ablated = msgspec.structs.replace(settings, protect_oldest=False)
+    assert simulate(slow, _pivot(slow, 8, 2), ablated).routers == plain
+    assert simulate(slow, disaggregated(8, 2, 2), settings).routers == plain
+    fast = toy_workload(tmp_path / "fast", prompts=2, samples=4)
+    assert simulate(fast, _pivot(fast, 8, 2), settings).routers == plain
+
+
 def _spec(devices: int) -> ClusterSpec:
     return ClusterSpec(
         [Device(d, 0, Pool.TRAINER) for d in range(devices)],

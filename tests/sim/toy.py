@@ -5,7 +5,8 @@ written to ``<folder>/toy.toml``. ``per_running``
 makes a step slower with more sequences (ITL = max(itl, per_running * running)): then the
 planner gains by spreading sequences over more replicas. ``policy_params_b``: the policy's size,
 what its weight loads cost (the default's are ~1e-4 s). ``hardware``: ``[hardware]`` keys (a
-slow one makes training long against inference)."""
+slow one makes training long against inference). ``genrm_prefill_tokens_per_s``: the GenRM's
+prefill rate (a slow one stalls a replica's batch for every new judgment)."""
 
 from __future__ import annotations
 
@@ -43,13 +44,14 @@ def toy_workload(
     max_running: int = 64,
     policy_params_b: float = 0.001,
     hardware: dict[str, Any] | None = None,
+    genrm_prefill_tokens_per_s: float = 1e9,
 ) -> Workload:
     models = folder / "cost_models"
     models.mkdir(parents=True, exist_ok=True)
     for name in ("toy-policy", "toy-genrm"):
         (models / f"{name}.toml").write_text(_cost_model(name, itl, per_running))
 
-    def model(name: str, tp: int, params_b: float = 0.001) -> dict[str, Any]:
+    def model(name: str, tp: int, params_b: float = 0.001, prefill: float = 1e9) -> dict[str, Any]:
         return {
             "model": name,
             "layout": {"tp": tp},
@@ -58,7 +60,7 @@ def toy_workload(
             "max_running": max_running,
             "gpu_memory_utilization": 0.5,
             "kv_capacity_tokens": 1_000_000,
-            "prefill_tokens_per_s": 1e9,
+            "prefill_tokens_per_s": prefill,
         }
 
     def lengths(median: int, max_: int, share: float = 0.0) -> dict[str, Any]:
@@ -71,7 +73,7 @@ def toy_workload(
         "name": "toy",
         "cost_models": "cost_models",
         "policy": model("toy-policy", 1, policy_params_b),
-        "genrm": model("toy-genrm", reward_tp),
+        "genrm": model("toy-genrm", reward_tp, prefill=genrm_prefill_tokens_per_s),
         "batch": {"prompts_per_step": prompts, "samples_per_prompt": samples},
         "prompt": {"median": prompt, "sigma": 0.0, "min": 1, "max": 100},
         "response": lengths(response, 20 * response),
