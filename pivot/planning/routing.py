@@ -14,9 +14,11 @@ long ago, among the oldest ``protect_share`` of the replicas, takes no new seque
 still running long after its dispatch is likely one of its batch's last, which set when the
 batch is scored; on a protected replica it no longer stalls for newcomers' prefills (a
 judgment's prompt holds its whole response, and the engine prefills it before the batch's
-next decode) nor decodes among them. Measured on the simulated 1.5B group (GenRM, 24 steps,
-seed 0): each long judgment's residence was 1.30x its decode alone, half of the excess others'
-prefills; protecting the reward role's replicas lifts samples/s by 5%.
+next decode) nor decodes among them. Measured on the simulated 1.5B group, whose GenRM
+prefills slowly (PivotRL, 128 devices): a judgment of 14k+ tokens stayed on its replica 1.30x
+as long as it decodes alone, half of the excess in others' prefills. Protecting the reward
+role's replicas gains 5.0% / 2.5% (seeds 0 / 1, 63 steps) at Table 4's split and +0.6% /
+-0.2% at the sweep's best (shared96/pool32): PivotRL holds up on a split nobody tuned.
 
 Each rule routes one sequence (``choose``) and scores, for a batch of sequences of one mean
 length, each (replica, k-th more sequence) slot (``slot_scores``). With one cost model per
