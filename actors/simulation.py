@@ -779,6 +779,9 @@ class BaselineRuns(msgspec.Struct, kw_only=True):
     tried: list[dict[str, Any]] = []  # every split the sweep ran: label and samples/s
     # the routing rules tried at Table 4's split: rule -> samples/s (the best one is kept)
     routers_tried: dict[str, float] = {}
+    # and at the sweep's best split, when it is another: the sweep ran the rule Table 4's
+    # split kept, which need not serve the best split best
+    routers_tried_at_best: dict[str, float] = {}
 
     @property
     def best(self) -> RunResult:
@@ -1156,6 +1159,14 @@ def _deployment_runs(
             known={split: table4},
             runs=kind_runs,
         )
+        if len(rules) > 1 and best.split != split:
+            at_best, climbed = {}, best
+            for rule, rule_runs in by_rule.items():
+                run = climbed if rule_runs is kind_runs else rule_runs.result(climbed.split)
+                at_best[rule] = round(run.samples_per_s, 6)
+                if run.samples_per_s > best.samples_per_s:
+                    best, chosen[kind.value] = run, rule_runs.settings
+            runs.routers_tried_at_best = at_best
         runs.sweep = best
         if best is not table4:
             done(best)

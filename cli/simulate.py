@@ -355,6 +355,7 @@ def _comparison_report(comparison: Any, args: argparse.Namespace) -> dict[str, A
             "best": runs.best.split.label(),
             "tried": runs.tried,
             "routers_tried": runs.routers_tried,
+            "routers_tried_at_best": runs.routers_tried_at_best,
         }
     speedup = {k: round(v, 4) for k, v in comparison.speedups().items()}
     at_table4 = {k: round(v, 4) for k, v in comparison.speedups_at_table4().items()}

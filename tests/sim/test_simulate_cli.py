@@ -48,15 +48,24 @@ def test_json_comparison_is_the_same_bytes_for_the_same_seed(tmp_path, capsys):
     assert best["tried"][0]["split"] == best["table4"] and report["wall_s"] is None
     assert {(r["measured_steps"], r["warmup"]["steps"]) for r in report["runs"]} == {(1, 1)}
     # the routers are stated, per deployment and per run: pivot's are the paper's; each
-    # baseline keeps the rule its Table 4 split ran fastest with
+    # baseline keeps the rule its best split ran fastest with (each rule is tried at Table 4's
+    # split, and again at the sweep's best when that is another)
     paper = {"rollout": "throughput_optimal", "reward": "lowest_itl"}
     rules = {"paper": paper, "round_robin": {"rollout": "round_robin", "reward": "round_robin"}}
     assert report["routers"]["pivot"] == paper and report["splits"]["pivot"]["routers_tried"] == {}
     for kind in ("colocated", "disaggregated", "rr-colocated"):
         tried = report["splits"][kind]["routers_tried"]
         assert set(tried) == set(rules)
-        assert report["routers"][kind] == rules[max(tried, key=lambda r: (tried[r], r == "paper"))]
         assert report["splits"][kind]["table4_samples_per_s"] == max(tried.values())
+        at_best = report["splits"][kind]["routers_tried_at_best"]
+        if report["splits"][kind]["best"] != report["splits"][kind]["table4"]:
+            assert set(at_best) == set(rules)
+            best = report["throughput"][kind]["samples_per_s"]
+            assert best == pytest.approx(max(at_best.values()), rel=1e-6)
+            tried = at_best
+        else:
+            assert at_best == {}
+        assert report["routers"][kind] == rules[max(tried, key=lambda r: (tried[r], r == "paper"))]
     runs = {r["deployment"]: r["routers"] for r in report["runs"]}
     assert runs == report["routers"]
     # pivot: the better of Table 4's trainer pool and the swept one, both reported
