@@ -300,7 +300,6 @@ class RoleScheduler:
         # replicas whose running sequences changed (or that came or went) since the owner
         # last cleared this set: a load report rebuilds only their rows
         self.changed: set[str] = set()
-        self._now = 0.0  # the clock as of the last dispatch (what placements are stamped with)
 
     # --- replicas -----------------------------------------------------------------------
 
@@ -389,13 +388,13 @@ class RoleScheduler:
         self.ledger.move(seq.id, self._owner)
         self.queue.push(seq)
 
-    def _place(self, seq: Sequence, replica_id: str) -> Dispatch:
+    def _place(self, seq: Sequence, replica_id: str, now: float) -> Dispatch:
         i = self._pos[replica_id]
         self._running[replica_id][seq.id] = seq
         self.changed.add(replica_id)
         self._load[i] += 1
         self._tokens[i] += seq.tokens
-        seq.placed_at = self._now
+        seq.placed_at = now
         self.ledger.move(seq.id, Owner.replica(replica_id), expect=self._owner)
         reprefill = seq.attempts > 0
         if reprefill:
@@ -436,9 +435,9 @@ class RoleScheduler:
         """
         sent: list[Dispatch] = []
         cap = self.router.settings.max_concurrent_per_replica
-        self._now = now
         closed = self._closed
-        protected = self.protected(now)
+        # with nothing queued nothing is routed: protection is not worked out
+        protected = self.protected(now) if len(self.queue) else None
         if protected is not None:
             closed = protected if closed is None else closed | protected
         while limit is None or len(sent) < limit:
@@ -456,7 +455,7 @@ class RoleScheduler:
                 if seq.session and seq.session in self._affinity:
                     self.session_misses += 1
             self.queue.pop()
-            sent.append(self._place(seq, self._ids[i]))
+            sent.append(self._place(seq, self._ids[i], now))
         return sent
 
     def _hinted(self, session: str, cap: int) -> int:
@@ -468,12 +467,11 @@ class RoleScheduler:
         closed = self._closed
         return i if self._load[i] < cap and (closed is None or not closed[i]) else -1
 
-    def dispatch_to(self, seq_id: int, replica_id: str, *, now: float | None = None) -> Dispatch:
-        """Send one queued sequence to a chosen replica (a planned migration's destination)."""
+    def dispatch_to(self, seq_id: int, replica_id: str, *, now: float = 0.0) -> Dispatch:
+        """Send one queued sequence to a chosen replica (a planned migration's destination),
+        stamped ``now``."""
         self._replica(replica_id)
-        if now is not None:
-            self._now = now
-        return self._place(self.queue.remove(seq_id), replica_id)
+        return self._place(self.queue.remove(seq_id), replica_id, now)
 
     def abort(
         self,
