@@ -107,6 +107,7 @@ from pivot.actors.vocabulary import LOAD_TOPIC, SHIFT_TOPIC
 from pivot.bus import Actor, Bus, BusError, handles
 from pivot.cluster import INFERENCE_ROLES, Allocation, ClusterSpec, Move, Role
 from pivot.config import ConfigStruct, PositiveInt, Seconds
+from pivot.planning.forecast import ReclaimLead
 from pivot.planning.planner import Planner, PlannerSettings
 from pivot.planning.plans import Decision, ShiftPlan, ShiftPolicy
 from pivot.planning.snapshot import ClusterSnapshot, QueueState, ReplicaState, TrainerPhase
@@ -244,6 +245,10 @@ class Controller(Actor):
         self._trainer_ready = False
         self._ready_at: float | None = None  # when the next batch is forecast ready
         self._reclaim_s = 0.0  # how long the last reclaim of the trainer pool took
+        # how far ahead of the forecast to reclaim, corrected by how the trainer's pool and its
+        # batches missed each other (``TrainerStatus.pool_slack_s``, counted in pool_slacks)
+        self._lead = ReclaimLead(self.settings.planner.reclaim_lead_gain)
+        self._slacks_seen = 0
         self._loads = None
         self._device_of = {name: device for device, name in self.agents.items()}
         # device -> cause: agents whose process died and that are not back yet; agents a
@@ -495,6 +500,9 @@ class Controller(Actor):
             if status is not None:
                 phase = self.trainer_phase(status)
                 self._takes_helpers = status.takes_helpers
+                if status.pool_slacks != self._slacks_seen:
+                    self._slacks_seen = status.pool_slacks
+                    self._lead.observe(status.pool_slack_s, self._reclaim_lead_s())
             elif any(r.role is Role.TRAINING for r in self.allocation.replicas.values()):
                 phase = TrainerPhase.TRAINING  # silent: leave its pool where it is
         running = {r.replica: r for report in reports.values() for r in report.replicas}
@@ -521,8 +529,7 @@ class Controller(Actor):
 
         now = self.clock.now()
         ready_in = None if self._ready_at is None else max(self._ready_at - now, 0.0)
-        # a tick may come up to one period late: the reclaim starts that much earlier
-        lead = self._reclaim_s + self.settings.interval_s if self._reclaim_s else 0.0
+        lead = self._lead.lead(self._reclaim_lead_s())
         return ClusterSnapshot(
             now=now,
             replicas=tuple(replicas),
@@ -534,6 +541,11 @@ class Controller(Actor):
             trainer_takes_helpers=self._takes_helpers,
             shift_in_flight=self.shift is not None,
         )
+
+    def _reclaim_lead_s(self) -> float:
+        """The last reclaim's time, and a planning period more: a tick may come up to one
+        period late (0: no reclaim measured yet)."""
+        return self._reclaim_s + self.settings.interval_s if self._reclaim_s else 0.0
 
     # --- executor ---------------------------------------------------------------------------
 

@@ -1182,6 +1182,7 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "no-refit": {"refit": False},
     "no-reprefill-price": {"price_reprefill": False},
     "no-early-reclaim": {"early_reclaim": False},
+    "no-lead-correction": {"reclaim_lead_gain": 0.0},
     "no-gradient-helpers": {"gradient_helpers": False},
     "no-rollout-floor": {"rollout_floor": False},
     "no-protection": {"protect_oldest": False},

@@ -183,6 +183,12 @@ class Trainer(Actor):
         self._on_devices = asyncio.Event()
         self._on_devices.set()
         self._lock = asyncio.Lock()  # one backend command at a time, as on real devices
+        # when the pool was last back with no batch waiting (None: none since it trained), and
+        # when the batch waiting for it came: what ``pool_slack_s`` is measured from
+        self._reloaded_at: float | None = None
+        self._arrived_at = 0.0
+        self.pool_slack_s = 0.0
+        self.pool_slacks = 0
 
     @property
     def state(self) -> TrainerStateName:
@@ -250,6 +256,8 @@ class Trainer(Actor):
             seconds=seconds,
             holds_pool=self._holds_pool,
             takes_helpers=backend.takes_helpers,
+            pool_slack_s=self.pool_slack_s,
+            pool_slacks=self.pool_slacks,
         )
 
     @handles(calls_peers=True)  # waits on the Controller to give the pool back
@@ -266,6 +274,9 @@ class Trainer(Actor):
         # not a broken rank group
         batch = await self.backend.prepare(msg)
         self._pending = True
+        self._arrived_at = self.clock.now()
+        if self._reloaded_at is not None and self._on_devices.is_set():
+            self._pool_met_batch(self._arrived_at - self._reloaded_at)
         result = None
         span = None
         try:
@@ -346,7 +357,16 @@ class Trainer(Actor):
         self.reloads += 1
         self.shift_s += seconds
         self._on_devices.set()
+        if self._pending:
+            self._pool_met_batch(self._arrived_at - self.clock.now())
+        else:
+            self._reloaded_at = self.clock.now()
         return seconds
+
+    def _pool_met_batch(self, slack_s: float) -> None:
+        self._reloaded_at = None
+        self.pool_slack_s = slack_s
+        self.pool_slacks += 1
 
     @handles
     async def offload(self, msg: OffloadTrainer) -> TrainerStatus:
@@ -357,6 +377,7 @@ class Trainer(Actor):
                 raise TrainerBusy("a batch is waiting to train: the pool cannot be lent now")
             self._holds_pool = False
             self._on_devices.clear()
+            self._reloaded_at = None  # lent again before a batch came: nothing to measure
             seconds = await self._command("offload", self.backend.offload)
             self.offloads += 1
             self.shift_s += seconds

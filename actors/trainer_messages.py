@@ -110,6 +110,11 @@ class TrainerStatus(RLMessage, kw_only=True):
     # whether its backend can take gradient helpers (HelpTrainer); one that cannot is never
     # sent any
     takes_helpers: bool = False
+    # how long the last reclaimed pool and its batch missed each other: > 0 the pool was back
+    # that long before the batch came (idle), < 0 the batch waited that long for it; one more
+    # in ``pool_slacks`` each time a reload meets a batch
+    pool_slack_s: float = 0.0
+    pool_slacks: int = 0
 
 
 class GradientHelper(msgspec.Struct, frozen=True):

@@ -74,6 +74,7 @@ ABLATION_NAMES = (
     "no-refit",
     "no-reprefill-price",
     "no-early-reclaim",
+    "no-lead-correction",
     "no-gradient-helpers",
     "no-rollout-floor",
     "no-protection",

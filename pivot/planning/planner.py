@@ -112,6 +112,9 @@ class PlannerSettings(ConfigStruct, kw_only=True):
     # reclaim the lent pool once the batch is forecast ready within the reclaim's time, not
     # once it is ready (the reclaim then leaves the critical path)
     early_reclaim: bool = True
+    # the share of each miss between a reclaimed pool and its batch the next lead corrects
+    # (pivot.planning.forecast.ReclaimLead; 0: the reclaim's measured time alone)
+    reclaim_lead_gain: Fraction = 0.5
     # inference replicas with nothing to run until the train step ends compute gradients
     # for it (pivot.planning.helpers), where the trainer's backend takes them
     gradient_helpers: bool = True

@@ -256,6 +256,42 @@ def test_a_batch_that_finds_the_pool_lent_asks_the_controller_and_waits() -> Non
     run_virtual(main)
 
 
+def test_the_trainer_measures_how_its_reloaded_pool_and_its_batch_missed_each_other() -> None:
+    async def main(clock: VirtualClock) -> None:
+        async with Rig(clock, controller="controller") as rig:
+            # held all along: no reclaim to measure
+            await rig.ask(BATCH, expect=Trained)
+            held = await rig.ask(QueryTrainer(), expect=TrainerStatus)
+            assert (held.pool_slacks, held.pool_slack_s) == (0, 0.0)
+
+            # back early: the pool idles 7 s before the batch
+            await rig.ask(OffloadTrainer(), expect=TrainerStatus)
+            await rig.ask(ReloadTrainer(), expect=TrainerStatus)
+            await clock.sleep(7.0)
+            batch = msgspec.structs.replace(BATCH, step=4)
+            await rig.ask(batch, expect=Trained)
+            early = await rig.ask(QueryTrainer(), expect=TrainerStatus)
+            assert early.pool_slacks == 1
+            assert early.pool_slack_s == pytest.approx(7.0)
+
+            # lent again before a batch came, then back late: the batch waits 30 s and the
+            # reload for the pool
+            await rig.ask(OffloadTrainer(), expect=TrainerStatus)
+            await rig.ask(ReloadTrainer(), expect=TrainerStatus)
+            await rig.ask(OffloadTrainer(), expect=TrainerStatus)
+            batch = msgspec.structs.replace(BATCH, step=5)
+            step = asyncio.ensure_future(rig.ask(batch, expect=Trained))
+            await asyncio.wait_for(rig.boss.told.wait(), 5)
+            await clock.sleep(30.0)
+            await rig.ask(ReloadTrainer(), expect=TrainerStatus)
+            await step
+            late = await rig.ask(QueryTrainer(), expect=TrainerStatus)
+            assert late.pool_slacks == 2
+            assert late.pool_slack_s == pytest.approx(-(30.0 + rig.up_s))
+
+    run_virtual(main)
+
+
 def test_without_a_controller_a_batch_reloads_by_itself() -> None:
     async def main(clock: VirtualClock) -> None:
         async with Rig(clock, controller=None) as rig:

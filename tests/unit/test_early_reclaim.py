@@ -9,7 +9,7 @@ import pytest
 from planner_cases import MODELS, cluster, replica, snapshot, training
 
 from pivot.cluster import Role
-from pivot.planning.forecast import TailForecast
+from pivot.planning.forecast import ReclaimLead, TailForecast
 from pivot.planning.planner import PlannerSettings, plan_shift
 from pivot.planning.snapshot import TrainerPhase
 
@@ -33,6 +33,25 @@ def test_the_forecast_prices_a_count_by_the_tail_of_the_batch_done_last():
     assert forecast.left(1, 3, 21.0) == 9.0
     with pytest.raises(ValueError, match="-1 samples"):
         forecast.left(1, -1, 0.0)
+
+
+def test_the_reclaim_lead_learns_from_each_miss_within_the_reclaims_time():
+    lead = ReclaimLead(gain=0.5)
+    assert lead.lead(11.0) == 11.0  # nothing measured: the reclaim's own time
+    lead.observe(6.0, 11.0)  # the pool idled 6 s before its batch: reclaim 3 s later
+    assert lead.lead(11.0) == 8.0
+    lead.observe(40.0, 11.0)  # a miss beyond the reclaim's time: no early reclaim at all
+    assert lead.lead(11.0) == 0.0
+    lead.observe(-12.0, 11.0)  # the batch waited 12 s for the pool: earlier again
+    assert lead.lead(11.0) == pytest.approx(6.0)
+    for _ in range(10):
+        lead.observe(-12.0, 11.0)
+    assert lead.lead(11.0) == 22.0  # at most twice the reclaim's time ahead
+    still = ReclaimLead(gain=0.0)
+    still.observe(6.0, 11.0)
+    assert still.lead(11.0) == 11.0
+    with pytest.raises(ValueError, match="gain must be within"):
+        ReclaimLead(gain=1.5)
 
 
 def forecast(snap, ready_in, reclaim_s=10.0):
