@@ -32,6 +32,7 @@ restarted after it had trained and published the step) refuses it.
         .state, .holds_pool, .steps
         .spans: [TrainSpan]   when each step trained, on the actor's clock
         .offloads, .reloads, .shift_s   how often and how long the pool moved
+        .pool_slack_s, .pool_slacks   how the last reloaded pool and its batch missed each other
 """
 
 from __future__ import annotations
@@ -183,8 +184,9 @@ class Trainer(Actor):
         self._on_devices = asyncio.Event()
         self._on_devices.set()
         self._lock = asyncio.Lock()  # one backend command at a time, as on real devices
-        # when the pool was last back with no batch waiting (None: none since it trained), and
-        # when the batch waiting for it came: what ``pool_slack_s`` is measured from
+        # when the pool was last back with no batch waiting (None: a batch has met it since, or
+        # it was lent again), and when the latest batch came: what ``pool_slack_s`` is
+        # measured from
         self._reloaded_at: float | None = None
         self._arrived_at = 0.0
         self.pool_slack_s = 0.0
