@@ -7,10 +7,11 @@ computing.
 
 The RL loop runs with bounded staleness as in the paper's launchers (``staleness`` batches may
 run ahead of training, ``pivot.actors.driver``; 2 by default), except colocated, whose devices
-time-share every stage and so run synchronously (staleness 0). PivotRL routes with the
-paper's routers, the baselines by ``baseline_router`` (the paper's by default; round-robin as
-the paper's launchers do, paper-notes 2.5, 2.8); ``compare`` can try both for each baseline
-and keep the better; each run reports its routers.
+time-share every stage and so run synchronously (staleness 0). Every deployment routes by
+``router``: the paper's routers (by default; PivotRL's, with its oldest sequences protected
+under pivot) or round-robin (as the paper's launchers route the baselines, paper-notes 2.5,
+2.8); ``compare`` can try both for each deployment, PivotRL included, and keep the better;
+each run reports its routers.
 
 Every shift, also the phase switches of the static time-sharing deployments, goes through the
 Controller's journaled executor. The kit's invariants are checked at every step end and whenever
@@ -129,10 +130,15 @@ class SimulationSettings(ConfigStruct, kw_only=True):
     # scaled by this per inference role ({"rollout": 1.5}: a prior 1.5x too slow), so that
     # the online refit has a wrong prior to correct; roles left out get the true model
     prior_itl_scale: dict[str, float] = {}
-    # routers of the static deployments: "paper", the paper's rules, as PivotRL routes;
-    # "round_robin", as the paper's launchers route the baselines (neither serves every
-    # baseline best: ``compare(baseline_routers=...)`` tries each)
-    baseline_router: Literal["paper", "round_robin"] = "paper"
+    # the deployment's routers: "paper", the paper's rules (rollout throughput-optimal,
+    # reward lowest-ITL); "round_robin", as the paper's launchers route the baselines.
+    # Neither serves every deployment best (``compare(routers=...)`` tries each), PivotRL
+    # included: on the 72B group at shared32/pool96 it gains 3% with round-robin (24 steps,
+    # seeds 0, 1: 2.185 -> 2.247, 2.118 -> 2.185 samples/s; shifts per step halve), as much
+    # as with the throughput-optimal rule's admission floor off, which queues rollout
+    # sequences for the lent trainer pool that early reclaim then evicts; on the 1.5B, 7B
+    # and 32B groups it loses 1-5%
+    router: Literal["paper", "round_robin"] = "paper"
     # PivotRL's routers protect the replicas of a role's oldest sequences where a newcomer's
     # prefill stalls a batch long (``pivot.planning.routing.protecting``); False: the paper's
     # rules as its launchers run them. The baselines keep those: on the 1.5B group (the only
@@ -459,7 +465,7 @@ def _routers(
             )
             for role, rule in paper.items()
         }
-    if kind is DeploymentKind.PIVOT or settings.baseline_router == "paper":
+    if settings.router == "paper":
         return paper
     return {
         role: RouterSettings(
@@ -727,10 +733,9 @@ def simulate(
         else:
             folder = Path(journal_dir)
             folder.mkdir(parents=True, exist_ok=True)
-        # the routing rule too: a baseline's Table 4 split runs under each rule side by side
+        # the routing rule too: a deployment's Table 4 split runs under each rule side by side
         # in worker processes, and two runs on one journal would recover each other's shifts
-        rule = settings.baseline_router if split.kind is not DeploymentKind.PIVOT else ""
-        parts = (split.kind.value, split.label(), label, rule)
+        parts = (split.kind.value, split.label(), label, settings.router)
         name = "-".join(_slug(p) for p in parts if p)
         path = folder / f"journal-{name}.bin"
         if path.exists():
@@ -995,18 +1000,18 @@ def compare(
     journal_dir: str | Path | None = None,
     progress: Callable[[str], None] | None = None,
     on_run: Callable[[RunResult], None] | None = None,
-    baseline_routers: Sequence[str] | None = None,
+    routers: Sequence[str] | None = None,
     jobs: int = 1,
 ) -> Comparison:
     """PivotRL and each baseline, each at Table 4's split and at the best split the sweep's
     hill-climb finds (``best_static``; for PivotRL: its trainer pool, the one pool it does not
     shift), every run in the same regime (``settings``: warm-up and measured steps). Each
-    baseline runs Table 4's split with every rule of ``baseline_routers`` (default: the one
-    ``settings`` names) and keeps, and sweeps with, the one that serves it best; PivotRL
-    routes by the paper's rules. ``on_run`` gets each run that ``Comparison.runs`` will list
-    as it finishes (what an interrupted comparison has so far). ``jobs`` > 1 and ``sweep``:
-    the runs of a deployment run in that many worker processes, a sweep's first candidates
-    beside Table 4's run (``SplitRuns``); the comparison is the same as with one."""
+    deployment runs Table 4's split with every rule of ``routers`` (default: the one
+    ``settings`` names) and keeps, and sweeps with, the one that serves it best. ``on_run``
+    gets each run that ``Comparison.runs`` will list as it finishes (what an interrupted
+    comparison has so far). ``jobs`` > 1 and ``sweep``: the runs of a deployment run in that
+    many worker processes, a sweep's first candidates beside Table 4's run (``SplitRuns``);
+    the comparison is the same as with one."""
     if jobs < 1:
         raise SimulationError(f"jobs must be >= 1, got {jobs}")
     return _compare(
@@ -1018,7 +1023,7 @@ def compare(
         journal_dir=journal_dir,
         say=progress or (lambda _: None),
         done=on_run or (lambda _: None),
-        baseline_routers=baseline_routers,
+        routers=routers,
         jobs=jobs if sweep else 1,
     )
 
@@ -1071,7 +1076,7 @@ def _compare(
     journal_dir: str | Path | None,
     say: Callable[[str], None],
     done: Callable[[RunResult], None],
-    baseline_routers: Sequence[str] | None,
+    routers: Sequence[str] | None,
     jobs: int,
 ) -> Comparison:
     baselines: dict[str, BaselineRuns] = {}
@@ -1080,7 +1085,7 @@ def _compare(
         # a pool per deployment: what one ran ahead and no longer needs stops with it
         with _workers(jobs) as pool:
             baselines[kind.value] = _deployment_runs(
-                workload, gpus, settings, kind, sweep, journal_dir, say, done, baseline_routers,
+                workload, gpus, settings, kind, sweep, journal_dir, say, done, routers,
                 pool, jobs, chosen,
             )  # fmt: skip
     pivot_runs = baselines.pop(DeploymentKind.PIVOT.value, None)
@@ -1106,7 +1111,7 @@ def _deployment_runs(
     journal_dir: str | Path | None,
     say: Callable[[str], None],
     done: Callable[[RunResult], None],
-    baseline_routers: Sequence[str] | None,
+    routers: Sequence[str] | None,
     pool: Executor | None,
     jobs: int,
     chosen: dict[str, SimulationSettings],
@@ -1114,14 +1119,12 @@ def _deployment_runs(
     """One deployment's runs at Table 4's split (each routing rule) and its sweep; the
     settings it keeps go to ``chosen``."""
     split = table4_split(kind, gpus, workload.replica_sizes())
-    rules = [settings.baseline_router]
-    if kind is not DeploymentKind.PIVOT and baseline_routers:
-        rules = list(baseline_routers)
+    rules = list(routers) if routers else [settings.router]
     swept = sweep and kind is not DeploymentKind.COLOCATED
     by_rule = {
         rule: SplitRuns(
             workload,
-            msgspec.structs.replace(settings, baseline_router=rule),
+            msgspec.structs.replace(settings, router=rule),
             journal_dir=journal_dir,
             pool=pool,
             jobs=jobs,

@@ -3,15 +3,15 @@ against the colocated, disaggregated and rollout-reward colocated deployments.
 
     pivot simulate CONFIG [--deployment D] [--gpus N] [--steps K] [--warmup W] [--seed S]
                           [--json] [--run-dir DIR] [--horizon H] [--ablation A ...]
-                          [--study horizon|ablation] [--no-sweep] [--baseline-router R]
+                          [--study horizon|ablation] [--no-sweep] [--router R]
                           [--prior-itl-scale ROLE=X ...] [--jobs J]
 
 Steady state: every run does W warm-up steps, reported apart, then K measured steps; its
 throughput is the measured steps' samples over the window from the end of the last warm-up
-step to the end of the last step. PivotRL routes by the paper's rules (rollout
-throughput-optimal, reward lowest-ITL); each baseline by the rule that serves it best, the
-paper's or round-robin, as its Table 4 split measures them (``--baseline-router``); the
-rules are stated per run. Every static baseline (and PivotRL's trainer pool) runs at the
+step to the end of the last step. Each deployment, PivotRL included, routes by the rule that
+serves it best, the paper's (rollout throughput-optimal, reward lowest-ITL) or round-robin,
+as its Table 4 split (and its sweep's best split) measures them (``--router``); the rules are
+stated per run. Every static baseline (and PivotRL's trainer pool) runs at the
 seed's Table 4 split scaled to N devices and at the best split a hill-climb over the sweep
 grid finds, in the same regime (``--no-sweep``: Table 4 only; ``--jobs``: worker processes,
 default one more than the CPUs it may use, running a sweep's next candidates side by side
@@ -80,8 +80,8 @@ ABLATION_NAMES = (
     "no-protection",
     "rule-based",
 )
-# --baseline-router: "best" runs each baseline's Table 4 split with each rule and keeps the
-# better one (measured: neither serves every baseline best)
+# --router: "best" runs each deployment's Table 4 split with each rule and keeps the better
+# one (measured: neither serves every deployment best, PivotRL included)
 ROUTER_RULES = ("paper", "round_robin")
 ROUTER_CHOICES = ("best", *ROUTER_RULES)
 
@@ -149,11 +149,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--no-sweep", action="store_true", help="baselines at Table 4's split only")
     p.add_argument(
-        "--baseline-router",
+        "--router",
         choices=ROUTER_CHOICES,
         default="best",
-        help="how the baselines route: best (of the paper's rules and round-robin, tried at "
-        "Table 4's split; default), paper, round_robin; PivotRL routes by the paper's rules",
+        help="how every deployment routes: best (of the paper's rules and round-robin, tried "
+        "at Table 4's split and the sweep's best; default), paper, round_robin",
     )
     p.add_argument(
         "--interval",
@@ -206,13 +206,13 @@ def main(args: argparse.Namespace) -> int:
         planner["horizon_s"] = args.horizon
     for name in args.ablation:
         planner.update(ABLATIONS[name])
-    rule = "paper" if args.baseline_router == "best" else args.baseline_router
+    rule = "paper" if args.router == "best" else args.router
     settings = SimulationSettings(
         steps=args.steps,
         warmup=args.warmup,
         seed=args.seed,
         controller_interval_s=args.interval,
-        baseline_router=rule,
+        router=rule,
         prior_itl_scale=dict(args.prior_itl_scale),
     )
     if planner:
@@ -236,7 +236,7 @@ def main(args: argparse.Namespace) -> int:
         "deployment": args.deployment,
         "study": args.study,
         "sweep": not args.no_sweep,
-        "baseline_router": args.baseline_router,
+        "router": args.router,
     }
     try:
         if args.study == "horizon":
@@ -257,7 +257,7 @@ def main(args: argparse.Namespace) -> int:
                 settings,
                 deployments=deployments,
                 sweep=not args.no_sweep,
-                baseline_routers=ROUTER_RULES if args.baseline_router == "best" else None,
+                routers=ROUTER_RULES if args.router == "best" else None,
                 journal_dir=journals,
                 progress=progress,
                 on_run=finished.append,
@@ -336,18 +336,11 @@ def _rate(result: Any) -> dict[str, float]:
 def _comparison_report(comparison: Any, args: argparse.Namespace) -> dict[str, Any]:
     throughput: dict[str, dict[str, float]] = {}
     splits: dict[str, dict[str, Any]] = {}
-    if comparison.pivot is not None:
-        throughput["pivot"] = _rate(comparison.pivot)
-        runs = comparison.pivot_runs
-        splits["pivot"] = {
-            "table4": runs.table4.split.label(),
-            "table4_samples_per_s": round(runs.table4.samples_per_s, 6),
-            "best": runs.best.split.label(),
-            "tried": runs.tried,
-            "routers_tried": runs.routers_tried,
-        }
-    used = {"pivot": comparison.pivot} if comparison.pivot is not None else {}
-    for kind, runs in comparison.baselines.items():
+    deployments = dict(comparison.baselines)
+    if comparison.pivot_runs is not None:
+        deployments = {"pivot": comparison.pivot_runs, **deployments}
+    used = {}
+    for kind, runs in deployments.items():
         used[kind] = runs.best
         throughput[kind] = _rate(runs.best)
         splits[kind] = {

@@ -47,25 +47,26 @@ def test_json_comparison_is_the_same_bytes_for_the_same_seed(tmp_path, capsys):
     # the sweep's hill-climb starts at Table 4's split; every run is in the same regime
     assert best["tried"][0]["split"] == best["table4"] and report["wall_s"] is None
     assert {(r["measured_steps"], r["warmup"]["steps"]) for r in report["runs"]} == {(1, 1)}
-    # the routers are stated, per deployment and per run: pivot's are the paper's; each
-    # baseline keeps the rule its best split ran fastest with (each rule is tried at Table 4's
-    # split, and again at the sweep's best when that is another)
+    # the routers are stated, per deployment and per run: each deployment, pivot too, keeps
+    # the rule its best split ran fastest with (each rule is tried at Table 4's split, and
+    # again at the sweep's best when that is another; a tie keeps the rule kept before: the
+    # paper's at Table 4's split, the one the sweep ran with at its best)
     paper = {"rollout": "throughput_optimal", "reward": "lowest_itl"}
     rules = {"paper": paper, "round_robin": {"rollout": "round_robin", "reward": "round_robin"}}
-    assert report["routers"]["pivot"] == paper and report["splits"]["pivot"]["routers_tried"] == {}
-    for kind in ("colocated", "disaggregated", "rr-colocated"):
+    for kind in ("pivot", "colocated", "disaggregated", "rr-colocated"):
         tried = report["splits"][kind]["routers_tried"]
         assert set(tried) == set(rules)
         assert report["splits"][kind]["table4_samples_per_s"] == max(tried.values())
+        kept = max(tried, key=lambda r: (tried[r], r == "paper"))
         at_best = report["splits"][kind]["routers_tried_at_best"]
         if report["splits"][kind]["best"] != report["splits"][kind]["table4"]:
             assert set(at_best) == set(rules)
             best = report["throughput"][kind]["samples_per_s"]
             assert best == pytest.approx(max(at_best.values()), rel=1e-6)
-            tried = at_best
+            kept = max(at_best, key=lambda r, swept=kept: (at_best[r], r == swept))
         else:
             assert at_best == {}
-        assert report["routers"][kind] == rules[max(tried, key=lambda r: (tried[r], r == "paper"))]
+        assert report["routers"][kind] == rules[kept]
     runs = {r["deployment"]: r["routers"] for r in report["runs"]}
     assert runs == report["routers"]
     # pivot: the better of Table 4's trainer pool and the swept one, both reported
@@ -144,7 +145,7 @@ def test_the_parser_names_every_ablation_and_router_rule_and_imports_nothing_hea
     from pivot.actors.simulation import ABLATIONS, SimulationSettings
 
     assert sorted(simulate.ABLATION_NAMES) == sorted(ABLATIONS)
-    rule = typing.get_type_hints(SimulationSettings)["baseline_router"]
+    rule = typing.get_type_hints(SimulationSettings)["router"]
     assert simulate.ROUTER_RULES == typing.get_args(rule)
 
 
@@ -191,7 +192,7 @@ def test_ctrl_c_leaves_the_runs_done_so_far_with_their_plot_and_report(
     monkeypatch.setattr(simulation, "simulate", interrupted_second)
     run_dir = tmp_path / "run"
     argv = [str(tmp_path / "toy.toml"), "--gpus", "8", "--steps", "1", "--warmup", "0"]
-    argv += ["--no-sweep", "--baseline-router", "paper"]  # one run per deployment
+    argv += ["--no-sweep", "--router", "paper"]  # one run per deployment
     with pytest.raises(KeyboardInterrupt):
         _run([*argv, "--run-dir", str(run_dir)], capsys)
     summary = json.loads((run_dir / "summary.json").read_text())["report"]

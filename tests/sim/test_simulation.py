@@ -132,7 +132,7 @@ def test_more_reward_devices_halve_the_judging_of_a_saturated_reward_stage(tmp_p
     # one round on two. Round-robin spreads the 4 responses over the 2 rollout replicas (the
     # throughput-optimal rule sees no gain in spreading under the toy's flat ITL)
     workload = toy_workload(tmp_path, samples=4, max_running=2, fixed_step_s=1.0)
-    settings = SimulationSettings(steps=1, baseline_router="round_robin")
+    settings = SimulationSettings(steps=1, router="round_robin")
     one = simulate(workload, disaggregated(gpus=4, rollout=2, reward=1), settings)
     two = simulate(workload, disaggregated(gpus=5, rollout=2, reward=2), settings)
     rollout = 100 * ITL
