@@ -376,7 +376,7 @@ class Controller(Actor):
             return None
         decision = self.planner.decide(snapshot)
         self.last_decision = decision
-        self._log_lending()
+        self._log_moves()
         if self.settings.decisions_every_s > 0:
             await self._tell_decision(decision)
         if decision.plan is not None:
@@ -442,10 +442,9 @@ class Controller(Actor):
             if role is not None and not await self._send(RestoreRoute(role, replica)):
                 self._unrestored[replica] = role
 
-    def _log_lending(self) -> None:
-        """Each step the planner timed with its pool lent or kept, once (a stage policy times
-        none)."""
-        ledger = self.planner.lending if isinstance(self.planner, Planner) else None
+    def _log_moves(self) -> None:
+        """Each step the planner timed moving or holding, once (a stage policy times none)."""
+        ledger = self.planner.moves if isinstance(self.planner, Planner) else None
         if ledger is None:
             return
         timed = len(ledger.seconds[True]) + len(ledger.seconds[False])
@@ -454,9 +453,9 @@ class Controller(Actor):
         self._steps_logged = timed
         self.log.info(
             "step timed",
-            lent=[round(x, 3) for x in ledger.seconds[True]],
-            kept=[round(x, 3) for x in ledger.seconds[False]],
-            lending_pays=ledger.pays(),
+            moved=[round(x, 3) for x in ledger.seconds[True]],
+            held=[round(x, 3) for x in ledger.seconds[False]],
+            moves_pay=ledger.pays(),
         )
 
     async def _tell_decision(self, decision: Decision) -> None:

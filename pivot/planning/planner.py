@@ -24,8 +24,9 @@ below the replicas at which its mean load decodes within ``floor_itl_slack`` of 
 sequence alone. Training moves as a whole and
 ahead of everything else: a waiting trainer lends its pool, a ready one takes it all back, and
 so does a waiting one whose batch is forecast ready within the time the reclaim takes.
-With ``lending.learn`` the Planner also times steps with the pool lent and kept
-(``pivot.planning.lending``) and stops lending where lending does not pay.
+With ``moves.learn`` the Planner also times steps with its moves and with the split held
+(``pivot.planning.moves``) and stops moving where moving does not pay; held, a role with work
+and no replica still takes one (``shift_roles`` off).
 
 The ``Planner`` refits each inference role's cost model online from measured decode
 iterations (``cost.OnlineCostModel``), so that a wrong prior converges to what its replicas
@@ -70,7 +71,7 @@ from pivot.planning.evaluation import (
     simulate_role,
 )
 from pivot.planning.helpers import idle_until_step_ends
-from pivot.planning.lending import LendingLedger, LendingSettings
+from pivot.planning.moves import MoveLearning, MoveLedger
 from pivot.planning.plans import (
     TRAINER_ID,
     CandidateScore,
@@ -101,6 +102,9 @@ class PlannerSettings(ConfigStruct, kw_only=True):
     policy: Literal["cost_model", "rule_based"] = "cost_model"
     rebalance: bool = True
     lend_trainer_pool: bool = True
+    # False: no device moves between rollout and reward, except one replica to a role that
+    # has work and none (the split held, as a static deployment's)
+    shift_roles: bool = True
     price_reprefill: bool = True  # Phi charges re-prefilling moved sequences
     refit: bool = True  # cost models follow measured decode latencies
     # a role's model is refit from its latest ``refit_window`` decode samples at most every
@@ -128,8 +132,8 @@ class PlannerSettings(ConfigStruct, kw_only=True):
     # rule-based policy: KV-cache pressure thresholds
     kv_high: PositiveFloat = 0.8
     kv_low: NonNegativeFloat = 0.1
-    # learning online whether lending the trainer pool pays here (pivot.planning.lending)
-    lending: LendingSettings = msgspec.field(default_factory=LendingSettings)
+    # learning online whether the planner's moves pay here (pivot.planning.moves)
+    moves: MoveLearning = msgspec.field(default_factory=MoveLearning)
 
 
 class _Phases:
@@ -242,6 +246,8 @@ def plan_shift(
     before = objective(demand, tuple(baseline[r] for r in INFERENCE_ROLES))
     receivers = _bottleneck(loads, baseline)
     phases.mark()
+    if not settings.shift_roles:
+        receivers = [r for r in receivers if not by_role[r]]
     if not receivers:
         return done(None, "no demand in either inference role")
 
@@ -263,7 +269,8 @@ def plan_shift(
             spec, holder_of_device, local, role_of == _CODE[donor], evictable, lendable
         )
         groups = wake_groups(spec.slots(receiver), holder, spec.is_trainer_pool, phi)
-        for plan in best_plans(groups, settings.max_moves_per_action, phi):
+        moves = settings.max_moves_per_action if settings.shift_roles else 1
+        for plan in best_plans(groups, moves, phi):
             plans.append((receiver, plan))
     phases.mark()
 
@@ -653,7 +660,7 @@ class Planner:
         self._refit_at: dict[Role, float] = {}
         for role in INFERENCE_ROLES:
             self.set_cost_model(role, self.cost_models[role])
-        self.lending = LendingLedger(self.settings.lending)
+        self.moves = MoveLedger(self.settings.moves)
 
     def set_cost_model(self, role: Role, model: CostModel) -> None:
         self.cost_models[role] = model
@@ -709,10 +716,12 @@ class Planner:
         settings = self.settings
         if settings.refit:
             self._refit(snapshot.now)
-        if settings.lending.learn:
-            self.lending.observe(snapshot)
-            if not self.lending.lending and settings.lend_trainer_pool:
-                settings = msgspec.structs.replace(settings, lend_trainer_pool=False)
+        if settings.moves.learn:
+            self.moves.observe(snapshot)
+            if not self.moves.moving:
+                settings = msgspec.structs.replace(
+                    settings, lend_trainer_pool=False, shift_roles=False
+                )
         decision = plan_shift(
             self.spec,
             snapshot,

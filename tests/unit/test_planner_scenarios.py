@@ -243,3 +243,16 @@ def test_decisions_round_trip_through_msgpack_for_the_journal():
         assert d.plan is not None
         again = msgspec.msgpack.decode(msgspec.msgpack.encode(d), type=Decision)
         assert again == d
+
+
+def test_a_held_split_moves_nothing_between_roles_but_one_replica_to_a_role_with_none():
+    assert decide(reward_backlog()).plan.receiver is Role.REWARD
+    assert decide(reward_backlog(), shift_roles=False).plan is None
+    # judgments queued and no reward replica: rollout replicas 0..11 idle
+    idle = [replica(f"ro{d}", Role.ROLLOUT, (d,)) for d in range(12)]
+    snap = snapshot(
+        *idle, training(SPEC), reward_queue=(800, 800 * 5000), trainer=TrainerPhase.TRAINING
+    )
+    assert len(decide(snap).plan.wakes) > 1
+    held = decide(snap, shift_roles=False).plan
+    assert held is not None and held.receiver is Role.REWARD and len(held.wakes) == 1
