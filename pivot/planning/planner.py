@@ -235,6 +235,8 @@ def plan_shift(
         and snapshot.trainer is TrainerPhase.WAITING
         and not by_role[Role.TRAINING]
     )
+    if not settings.shift_roles and all(by_role[r] or not loads[r].demand for r in INFERENCE_ROLES):
+        return done(None, "the split between rollout and reward is held")
     if settings.policy == "rule_based":
         phases.mark()
         return _rule_based(
@@ -246,7 +248,7 @@ def plan_shift(
     before = objective(demand, tuple(baseline[r] for r in INFERENCE_ROLES))
     receivers = _bottleneck(loads, baseline)
     phases.mark()
-    if not settings.shift_roles:
+    if not settings.shift_roles:  # held: only a role with work and no replica grows
         receivers = [r for r in receivers if not by_role[r]]
     if not receivers:
         return done(None, "no demand in either inference role")
