@@ -779,7 +779,7 @@ def _slug(text: str) -> str:
 
 
 class BaselineRuns(msgspec.Struct, kw_only=True):
-    table4: RunResult
+    table4: RunResult  # at Table 4's split, or the split the comparison was given
     sweep: RunResult | None = None  # the best static split found (None: not swept)
     tried: list[dict[str, Any]] = []  # every split the sweep ran: label and samples/s
     # the routing rules tried at Table 4's split: rule -> samples/s (the best one is kept)
@@ -1002,6 +1002,7 @@ def compare(
     on_run: Callable[[RunResult], None] | None = None,
     routers: Sequence[str] | None = None,
     jobs: int = 1,
+    split: Split | None = None,
 ) -> Comparison:
     """PivotRL and each baseline, each at Table 4's split and at the best split the sweep's
     hill-climb finds (``best_static``; for PivotRL: its trainer pool, the one pool it does not
@@ -1011,14 +1012,21 @@ def compare(
     gets each run that ``Comparison.runs`` will list as it finishes (what an interrupted
     comparison has so far). ``jobs`` > 1 and ``sweep``: the runs of a deployment run in that
     many worker processes, a sweep's first candidates beside Table 4's run (``SplitRuns``);
-    the comparison is the same as with one."""
+    the comparison is the same as with one. ``split``: its deployment alone, at that split
+    instead of Table 4's (labelled ``split``), not swept."""
     if jobs < 1:
         raise SimulationError(f"jobs must be >= 1, got {jobs}")
+    if split is not None and split.gpus != gpus:
+        raise SimulationError(f"split {split.label()} has {split.gpus} devices, not {gpus}")
+    kinds = [DeploymentKind(k) for k in (deployments or list(DeploymentKind))]
+    if split is not None:
+        kinds, sweep = [split.kind], False
     return _compare(
         workload,
         gpus,
         settings,
-        kinds=[DeploymentKind(k) for k in (deployments or list(DeploymentKind))],
+        kinds=kinds,
+        start=split,
         sweep=sweep,
         journal_dir=journal_dir,
         say=progress or (lambda _: None),
@@ -1072,6 +1080,7 @@ def _compare(
     settings: SimulationSettings,
     *,
     kinds: list[DeploymentKind],
+    start: Split | None,
     sweep: bool,
     journal_dir: str | Path | None,
     say: Callable[[str], None],
@@ -1086,7 +1095,7 @@ def _compare(
         with _workers(jobs) as pool:
             baselines[kind.value] = _deployment_runs(
                 workload, gpus, settings, kind, sweep, journal_dir, say, done, routers,
-                pool, jobs, chosen,
+                pool, jobs, chosen, start,
             )  # fmt: skip
     pivot_runs = baselines.pop(DeploymentKind.PIVOT.value, None)
     return Comparison(
@@ -1115,10 +1124,12 @@ def _deployment_runs(
     pool: Executor | None,
     jobs: int,
     chosen: dict[str, SimulationSettings],
+    start: Split | None = None,
 ) -> BaselineRuns:
-    """One deployment's runs at Table 4's split (each routing rule) and its sweep; the
-    settings it keeps go to ``chosen``."""
-    split = table4_split(kind, gpus, workload.replica_sizes())
+    """One deployment's runs at Table 4's split, or ``start`` (each routing rule), and its
+    sweep; the settings it keeps go to ``chosen``."""
+    split = start or table4_split(kind, gpus, workload.replica_sizes())
+    label = "table4" if start is None else "split"
     rules = list(routers) if routers else [settings.router]
     swept = sweep and kind is not DeploymentKind.COLOCATED
     by_rule = {
@@ -1132,7 +1143,7 @@ def _deployment_runs(
         for rule in rules
     }
     for rule_runs in by_rule.values():
-        rule_runs.start(split, "table4")
+        rule_runs.start(split, label)
     kind_runs = by_rule[rules[0]]
     ahead = None
     if swept and len(rules) == 1:
@@ -1142,14 +1153,15 @@ def _deployment_runs(
     table4: RunResult | None = None
     tried_rules: dict[str, float] = {}
     for rule, rule_runs in by_rule.items():
-        run = rule_runs.result(split, "table4", ahead=ahead)
+        run = rule_runs.result(split, label, ahead=ahead)
         tried_rules[rule] = round(run.samples_per_s, 6)
         if table4 is None or run.samples_per_s > table4.samples_per_s:
             table4, kind_runs, chosen[kind.value] = run, rule_runs, rule_runs.settings
     assert table4 is not None
     kind_settings = chosen[kind.value]
     done(table4)  # before the line: a run the line announces is one Ctrl-C keeps
-    say(f"{kind.value} {split.label()} (table 4): {table4.samples_per_s:.3f} samples/s")
+    where = "table 4" if start is None else "split"
+    say(f"{kind.value} {split.label()} ({where}): {table4.samples_per_s:.3f} samples/s")
     runs = BaselineRuns(table4=table4, routers_tried=tried_rules if len(rules) > 1 else {})
     if swept:
         best, runs.tried = best_static(
@@ -1200,6 +1212,14 @@ def pivot_settings(settings: SimulationSettings, **changes: Any) -> SimulationSe
     )
 
 
+def _study_split(workload: Workload, gpus: int, split: Split | None) -> Split:
+    if split is None:
+        return table4_split(DeploymentKind.PIVOT, gpus, workload.replica_sizes())
+    if split.kind is not DeploymentKind.PIVOT or split.gpus != gpus:
+        raise SimulationError(f"a study runs PivotRL on {gpus} devices, not {split.label()}")
+    return split
+
+
 def horizon_study(
     workload: Workload,
     gpus: int,
@@ -1208,8 +1228,10 @@ def horizon_study(
     *,
     journal_dir: str | Path | None = None,
     on_run: Callable[[RunResult], None] | None = None,
+    split: Split | None = None,
 ) -> list[RunResult]:
-    split = table4_split(DeploymentKind.PIVOT, gpus, workload.replica_sizes())
+    """PivotRL at each planner horizon, at Table 4's split or ``split``."""
+    split = _study_split(workload, gpus, split)
     out = []
     for h in horizons:
         settings_h = pivot_settings(settings, horizon_s=h)
@@ -1227,8 +1249,11 @@ def ablation_study(
     *,
     journal_dir: str | Path | None = None,
     on_run: Callable[[RunResult], None] | None = None,
+    split: Split | None = None,
 ) -> list[RunResult]:
-    split = table4_split(DeploymentKind.PIVOT, gpus, workload.replica_sizes())
+    """PivotRL with all its mechanisms and with each of ``names`` off in turn, at Table 4's
+    split or ``split``."""
+    split = _study_split(workload, gpus, split)
     done = on_run or (lambda _: None)
     out = [simulate(workload, split, settings, label="full", journal_dir=journal_dir)]
     done(out[-1])

@@ -4,7 +4,7 @@ against the colocated, disaggregated and rollout-reward colocated deployments.
     pivot simulate CONFIG [--deployment D] [--gpus N] [--steps K] [--warmup W] [--seed S]
                           [--json] [--run-dir DIR] [--horizon H] [--ablation A ...]
                           [--study horizon|ablation] [--no-sweep] [--router R]
-                          [--prior-itl-scale ROLE=X ...] [--jobs J]
+                          [--split SPLIT] [--prior-itl-scale ROLE=X ...] [--jobs J]
 
 Steady state: every run does W warm-up steps, reported apart, then K measured steps; its
 throughput is the measured steps' samples over the window from the end of the last warm-up
@@ -28,6 +28,11 @@ one Figure-10-style plot per deployment, ``report.html`` (``pivot report``: ever
 page) and the Controller's shift journals; Ctrl-C leaves the same of the runs done so far.
 Each metrics line has ``record`` (run | step | sample | shift | train) and ``run``
 (deployment-label).
+
+``--split shared32/pool96`` (a split as the report labels it: ``RO16/RM64/TR48``,
+``RO+RM96/TR32``, ``all128``, ``shared32/pool96``) runs its deployment alone at that split,
+not swept, instead of Table 4's; with ``--study`` PivotRL's split. Its pools' sum is the
+cluster (``--gpus``, when given, must agree).
 
 ``--prior-itl-scale rollout=1.5`` starts PivotRL's planner from a cost model 1.5x too slow
 for rollout while the engines run the true one: the online refit's test (with ``--study
@@ -117,7 +122,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("config", help="a workload, e.g. configs/sim/qwen2.5-7b_qwen3-30b-a3b.toml")
     p.add_argument("--deployment", choices=DEPLOYMENTS, default="all")
-    p.add_argument("--gpus", type=positive, default=128, help="simulated devices (default 128)")
+    p.add_argument(
+        "--gpus", type=positive, default=None, help="simulated devices (default 128, or --split's)"
+    )
     p.add_argument(
         "--steps",
         type=positive,
@@ -148,6 +155,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="horizon: H in 5..90 s; ablation: each mechanism off in turn",
     )
     p.add_argument("--no-sweep", action="store_true", help="baselines at Table 4's split only")
+    p.add_argument(
+        "--split",
+        help="run one deployment at this split, not swept (e.g. shared32/pool96, RO16/RM64/TR48)",
+    )
     p.add_argument(
         "--router",
         choices=ROUTER_CHOICES,
@@ -201,6 +212,14 @@ def main(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     configure_logging("warning")
     workload = load_workload(args.config)
+    split = None
+    if args.split is not None:
+        try:
+            split = _given_split(args, workload)
+        except DeploymentError as exc:
+            print(f"pivot simulate: --split {args.split}: {exc}", file=sys.stderr)
+            return 2
+    args.gpus = split.gpus if split is not None else args.gpus or 128
     planner: dict[str, Any] = {}
     if args.horizon is not None:
         planner["horizon_s"] = args.horizon
@@ -241,12 +260,22 @@ def main(args: argparse.Namespace) -> int:
     try:
         if args.study == "horizon":
             results = horizon_study(
-                workload, args.gpus, settings, journal_dir=journals, on_run=finished.append
+                workload,
+                args.gpus,
+                settings,
+                journal_dir=journals,
+                on_run=finished.append,
+                split=split,
             )
             report = _study_report("horizon", results, args, name)
         elif args.study == "ablation":
             results = ablation_study(
-                workload, args.gpus, settings, journal_dir=journals, on_run=finished.append
+                workload,
+                args.gpus,
+                settings,
+                journal_dir=journals,
+                on_run=finished.append,
+                split=split,
             )
             report = _study_report("ablation", results, args, name)
         else:
@@ -262,6 +291,7 @@ def main(args: argparse.Namespace) -> int:
                 progress=progress,
                 on_run=finished.append,
                 jobs=args.jobs or default_jobs(),
+                split=split,
             )
             results = comparison.runs()
             report = _comparison_report(comparison, args)
@@ -289,6 +319,23 @@ def main(args: argparse.Namespace) -> int:
     else:
         print(_format(report, plots))
     return 0
+
+
+def _given_split(args: argparse.Namespace, workload: Any) -> Any:
+    """``--split``'s split, checked against the other flags and deployable for ``workload``
+    (``DeploymentError`` says what is wrong: before anything runs)."""
+    from pivot.actors.simulation import simulation_deployment
+    from pivot.deployment import DeploymentError, DeploymentKind, parse_split
+
+    split = parse_split(args.split)
+    if args.gpus is not None and args.gpus != split.gpus:
+        raise DeploymentError(f"its pools make {split.gpus} devices, --gpus says {args.gpus}")
+    if args.study is not None and split.kind is not DeploymentKind.PIVOT:
+        raise DeploymentError(f"--study {args.study} runs PivotRL, this is {split.kind.value}")
+    if args.deployment not in ("all", split.kind.value):
+        raise DeploymentError(f"it is {split.kind.value}, --deployment says {args.deployment}")
+    simulation_deployment(workload, split)  # raises where the replicas do not fit
+    return split
 
 
 def _write_run_dir(
@@ -343,9 +390,10 @@ def _comparison_report(comparison: Any, args: argparse.Namespace) -> dict[str, A
     for kind, runs in deployments.items():
         used[kind] = runs.best
         throughput[kind] = _rate(runs.best)
+        first = runs.table4.label  # "table4", or "split" (--split)
         splits[kind] = {
-            "table4": runs.table4.split.label(),
-            "table4_samples_per_s": round(runs.table4.samples_per_s, 6),
+            first: runs.table4.split.label(),
+            f"{first}_samples_per_s": round(runs.table4.samples_per_s, 6),
             "best": runs.best.split.label(),
             "tried": runs.tried,
             "routers_tried": runs.routers_tried,
@@ -396,6 +444,8 @@ def _study_report(
         "seed": args.seed,
         "window": WINDOW,
         "study": study,
+        # PivotRL's split: Table 4's, or --split's
+        "split": results[0].split.label() if results else None,
         "results": rows,
     }
 
@@ -415,6 +465,7 @@ def _format(report: dict[str, Any], plots: list[Path]) -> str:
     else:
         lines.extend(f"routing: {kind}, {rule}" for kind, rule in rules.items())
     if "study" in report:
+        lines.append(f"PivotRL at {report['split']}")
         lines.append(
             f"{'run':<20}{'samples/s':>11}{'tokens/s':>12}{'shifts/step':>13}{'shift s':>9}"
             f"{'migrated':>10}"

@@ -19,6 +19,7 @@ not separate code"):
   trainer pool to inference while the trainer waits for a batch.
 
     Split(kind, gpus, rollout=0, reward=0, shared=0, training=0)     devices per pool
+    parse_split(label) -> Split                           Split.label() read back
     table4_split(kind, gpus, sizes) / sweep_splits(kind, gpus, sizes)
     neighbours(split, grid)                               a sweep's next splits to try
     plan_deployment(split, sizes, *, devices_per_host, judged=True, pool_held=True)
@@ -27,6 +28,7 @@ not separate code"):
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from typing import Literal
@@ -68,6 +70,7 @@ class Split(msgspec.Struct, frozen=True, kw_only=True):
     training: int = 0
 
     def label(self) -> str:
+        """The split as reports name it (``parse_split`` reads it back)."""
         if self.kind is DeploymentKind.DISAGGREGATED:
             return f"RO{self.rollout}/RM{self.reward}/TR{self.training}"
         if self.kind is DeploymentKind.RR_COLOCATED:
@@ -75,6 +78,37 @@ class Split(msgspec.Struct, frozen=True, kw_only=True):
         if self.kind is DeploymentKind.COLOCATED:
             return f"all{self.gpus}"
         return f"shared{self.shared}/pool{self.training}"
+
+
+#: ``Split.label``'s forms, one per kind, with the pools they name
+_LABELS: tuple[tuple[DeploymentKind, re.Pattern[str], tuple[str, ...]], ...] = (
+    (
+        DeploymentKind.DISAGGREGATED,
+        re.compile(r"RO(\d+)/RM(\d+)/TR(\d+)"),
+        ("rollout", "reward", "training"),
+    ),
+    (DeploymentKind.RR_COLOCATED, re.compile(r"RO\+RM(\d+)/TR(\d+)"), ("shared", "training")),
+    (DeploymentKind.COLOCATED, re.compile(r"all(\d+)"), ("shared",)),
+    (DeploymentKind.PIVOT, re.compile(r"shared(\d+)/pool(\d+)"), ("shared", "training")),
+)
+
+
+def parse_split(label: str) -> Split:
+    """The split ``label`` names (``Split.label``'s forms: ``RO16/RM64/TR48``,
+    ``RO+RM96/TR32``, ``all128``, ``shared32/pool96``); its devices are its pools' sum."""
+    for kind, form, names in _LABELS:
+        match = form.fullmatch(label.strip())
+        if match is None:
+            continue
+        pools = dict(zip(names, (int(g) for g in match.groups()), strict=True))
+        gpus = sum(pools.values())
+        if gpus < 1:
+            raise DeploymentError(f"split {label!r} has no devices")
+        if kind is DeploymentKind.COLOCATED:
+            return Split(kind=kind, gpus=gpus, shared=gpus, training=gpus)
+        return Split(kind=kind, gpus=gpus, **pools)
+    forms = ", ".join(("RO16/RM64/TR48", "RO+RM96/TR32", "all128", "shared32/pool96"))
+    raise DeploymentError(f"split {label!r} is none of the forms {forms}")
 
 
 def replica_unit(sizes: Mapping[Role, int]) -> int:

@@ -212,3 +212,43 @@ def test_prior_itl_scale_takes_a_role_and_a_positive_factor():
             simulate.role_scale(bad)
     with pytest.raises(argparse.ArgumentTypeError, match="must be > 0"):
         simulate.role_scale("reward=0")
+
+
+def test_split_runs_its_deployment_alone_there_and_a_split_that_disagrees_exits_2(tmp_path, capsys):
+    from pivot.actors.simulation import SimulationSettings
+    from pivot.actors.simulation import simulate as simulate_split
+    from pivot.deployment import DeploymentKind, sweep_splits, table4_split
+    from pivot.workload import load_workload
+
+    toy_workload(tmp_path, prompts=2, samples=4, sigma=0.8, response=200, per_running=0.005)
+    toy = str(tmp_path / "toy.toml")
+    workload = load_workload(toy)
+    sizes = workload.replica_sizes()
+    table4 = table4_split(DeploymentKind.PIVOT, 8, sizes)
+    split = next(s for s in sweep_splits(DeploymentKind.PIVOT, 8, sizes) if s != table4)
+    argv = [toy, "--split", split.label(), "--steps", "1", "--warmup", "1", "--json"]
+    argv += ["--no-wall", "--no-plot", "--run-dir", str(tmp_path / "run")]
+    report = json.loads(_run(argv, capsys))
+    assert set(report["throughput"]) == {"pivot"} and report["speedup"] == {}
+    mine = report["splits"]["pivot"]
+    assert mine["split"] == mine["best"] == split.label() and "table4" not in mine
+    assert [r["label"] for r in report["runs"]] == ["split"] and mine["tried"] == []
+    # both rules tried there, the faster kept: the same run as simulating that split
+    rule = max(mine["routers_tried"], key=mine["routers_tried"].get)
+    alone = simulate_split(
+        workload, split, SimulationSettings(steps=1, warmup=1, seed=0, router=rule)
+    )
+    assert report["throughput"]["pivot"]["samples_per_s"] == round(alone.samples_per_s, 6)
+
+    parser = argparse.ArgumentParser(prog="pivot")
+    simulate.add_parser(parser.add_subparsers(dest="command", required=True))
+    for wrong, says in [
+        (["--split", split.label(), "--deployment", "disaggregated"], "--deployment says"),
+        (["--split", split.label(), "--gpus", "16"], "--gpus says"),
+        (["--split", "shared8"], "none of the forms"),
+    ]:
+        args = parser.parse_args(["simulate", toy, *wrong, "--run-dir", str(tmp_path / "bad")])
+        assert args.func(args) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0] and err[0].startswith("pivot simulate: --split")
+    assert not (tmp_path / "bad").exists()  # refused before anything ran

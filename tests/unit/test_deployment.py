@@ -11,7 +11,10 @@ from pivot.deployment import (
     DeploymentError,
     DeploymentKind,
     Split,
+    parse_split,
     plan_deployment,
+    sweep_splits,
+    table4_split,
 )
 
 RO, RM, TR = Role.ROLLOUT, Role.REWARD, Role.TRAINING
@@ -85,3 +88,18 @@ def test_a_checker_scored_job_serves_rollout_only():
 def test_a_split_that_cannot_be_deployed_says_why(split, message):
     with pytest.raises(DeploymentError, match=message):
         plan_deployment(split, SIZES, devices_per_host=8)
+
+
+@pytest.mark.parametrize("kind", KIND_NAMES)
+def test_every_split_a_report_names_reads_back_as_that_split(kind):
+    grid = [table4_split(kind, 32, SIZES), *sweep_splits(kind, 32, SIZES)]
+    assert {parse_split(split.label()) for split in grid} == set(grid)
+
+
+@pytest.mark.parametrize(
+    ("label", "message"),
+    [("shared32", "none of the forms"), ("RO16/RM64", "none of the forms"), ("all0", "no devices")],
+)
+def test_a_split_label_of_no_known_form_says_which_forms_there_are(label, message):
+    with pytest.raises(DeploymentError, match=message):
+        parse_split(label)
