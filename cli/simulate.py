@@ -258,8 +258,9 @@ def main(args: argparse.Namespace) -> int:
         "router": args.router,
     }
     try:
-        if args.study == "horizon":
-            results = horizon_study(
+        if args.study is not None:
+            study = horizon_study if args.study == "horizon" else ablation_study
+            results = study(
                 workload,
                 args.gpus,
                 settings,
@@ -267,17 +268,7 @@ def main(args: argparse.Namespace) -> int:
                 on_run=finished.append,
                 split=split,
             )
-            report = _study_report("horizon", results, args, name)
-        elif args.study == "ablation":
-            results = ablation_study(
-                workload,
-                args.gpus,
-                settings,
-                journal_dir=journals,
-                on_run=finished.append,
-                split=split,
-            )
-            report = _study_report("ablation", results, args, name)
+            report = _study_report(args.study, results, args, name)
         else:
             deployments = None if args.deployment == "all" else [args.deployment]
             comparison = compare(
