@@ -845,11 +845,13 @@ class SplitRuns:
     """The runs of one deployment's splits in one regime (``settings``), each split run once.
 
     Without a pool a split runs in this process when its result is asked for. With ``pool``
-    (``jobs`` worker processes) up to ``jobs`` runs are under way at once: waiting for one,
-    ``result`` keeps the free workers busy with the split asked for and then with what
-    ``ahead`` says will be asked for next (a climb's look-ahead). A run is deterministic (its
-    own virtual clock and seeds), so its result is the same wherever it ran; only ``wall_s``
-    differs."""
+    (``jobs`` worker processes) up to ``jobs`` runs are under way at once, counting those of
+    the ``SplitRuns`` it shares ``flight`` with (one deployment's routing rules share one
+    pool: a run submitted beyond its workers would wait there and run once the climb may no
+    longer need it): waiting for one, ``result`` keeps the free workers busy with the split
+    asked for and then with what ``ahead`` says will be asked for next (a climb's
+    look-ahead). A run is deterministic (its own virtual clock and seeds), so its result is
+    the same wherever it ran; only ``wall_s`` differs."""
 
     def __init__(
         self,
@@ -859,6 +861,7 @@ class SplitRuns:
         journal_dir: str | Path | None = None,
         pool: Executor | None = None,
         jobs: int = 1,
+        flight: set[Future[RunResult]] | None = None,
     ) -> None:
         self.workload = workload
         self.settings = settings
@@ -867,17 +870,22 @@ class SplitRuns:
         self.jobs = jobs if pool is not None else 1
         self.done: dict[Split, RunResult] = {}
         self._pending: dict[Split, Future[RunResult]] = {}
+        self.flight = flight if flight is not None else set()  # every run submitted, shared
 
     def start(self, split: Split, label: str = "sweep") -> bool:
         """Submit ``split``'s run if a worker is free (no pool: never); whether it runs now
         or ran before."""
         if split in self.done or split in self._pending:
             return True
-        if self.pool is None or len(self._pending) >= self.jobs:
+        if self.pool is None:
+            return False
+        self.flight.difference_update([f for f in self.flight if f.done()])
+        if len(self.flight) >= self.jobs:
             return False
         self._pending[split] = self.pool.submit(
             _run_split, self.workload, split, self.settings, label, self.journal_dir
         )
+        self.flight.add(self._pending[split])
         return True
 
     def result(
@@ -898,7 +906,9 @@ class SplitRuns:
             for other in ahead() if ahead is not None else ():
                 if not self.start(other):
                     break
-            finished, _ = wait(self._pending.values(), return_when=FIRST_COMPLETED)
+            # ours, or another's whose end frees a worker for the split asked for
+            running = {f for f in self.flight if not f.done()} | set(self._pending.values())
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
             for other, future in list(self._pending.items()):
                 if future in finished:
                     del self._pending[other]
@@ -928,6 +938,7 @@ def best_static(
     progress: Callable[[str], None] | None = None,
     known: Mapping[Split, RunResult] | None = None,
     runs: SplitRuns | None = None,
+    on_move: Callable[[Split], None] | None = None,
 ) -> tuple[RunResult, list[dict[str, Any]]]:
     """The static split with the highest samples/s that a hill-climb over the sweep grid
     (``sweep_splits``) finds, every split run in the full regime of ``settings`` (warm-up and
@@ -939,7 +950,8 @@ def best_static(
     already done (Table 4's), reused. ``runs``: where the splits run (``SplitRuns``; default
     one after another in this process); with worker processes the climb reads the runs in
     the same order while the workers run ahead (``climb_ahead``), so the climb and its
-    result are the same."""
+    result are the same. ``on_move``: called with each split the climb moves to, before it
+    runs ahead from there (a caller's own runs there take the free workers first)."""
     grid = sweep_splits(kind, gpus, workload.replica_sizes())
     runs = runs or SplitRuns(workload, settings, journal_dir=journal_dir)
     for split, result in (known or {}).items():
@@ -966,6 +978,8 @@ def best_static(
             result = run(other, candidates[i:])
             if result.samples_per_s > best.samples_per_s:
                 here, best, moved = other, result, True
+                if on_move is not None:
+                    on_move(here)
                 break
         candidates = neighbours(here, grid)
     return best, tried
@@ -974,20 +988,16 @@ def best_static(
 def climb_ahead(
     grid: Sequence[Split], done: Container[Split], candidates: Sequence[Split], depth: int
 ) -> list[Split]:
-    """The splits a climb may read next, most likely first, for workers to run ahead: from
-    the candidates left at the split it is at (``candidates``, in the climb's order), the
-    first one not run yet, then the first not run yet among that one's neighbours (as if it
-    won: a climb tends to keep going the way it moved), ``depth`` deep; then the other
-    candidates left."""
-    out: list[Split] = []
-    level = list(candidates)
-    while len(out) < depth:
-        fresh = [c for c in level if c not in done and c not in out]
-        if not fresh:
-            break
-        out.append(fresh[0])
-        level = neighbours(fresh[0], grid)
-    return out + [c for c in candidates if c not in done and c not in out]
+    """The splits a climb may read next, most likely first, for workers to run ahead: the
+    candidates left at the split it is at (``candidates``, in the climb's order) not run yet,
+    as every climb ends with a round of them in which none wins; then, as if the first of
+    them won, the first not run yet among its neighbours, and so on, ``depth`` deep."""
+    out = [c for c in candidates if c not in done]
+    level = out[:1]
+    while level and len(out) < depth:
+        level = [c for c in neighbours(level[0], grid) if c not in done and c not in out][:1]
+        out.extend(level)
+    return out
 
 
 def compare(
@@ -1132,6 +1142,7 @@ def _deployment_runs(
     label = "table4" if start is None else "split"
     rules = list(routers) if routers else [settings.router]
     swept = sweep and kind is not DeploymentKind.COLOCATED
+    flight: set[Future[RunResult]] = set()
     by_rule = {
         rule: SplitRuns(
             workload,
@@ -1139,6 +1150,7 @@ def _deployment_runs(
             journal_dir=journal_dir,
             pool=pool,
             jobs=jobs,
+            flight=flight,
         )
         for rule in rules
     }
@@ -1173,6 +1185,9 @@ def _deployment_runs(
             progress=say,
             known={split: table4},
             runs=kind_runs,
+            # the other rules run where the climb may end as soon as it moves there: after
+            # the climb they would wait for its last run, and for what it ran ahead
+            on_move=lambda moved: [r.start(moved) for r in by_rule.values() if r is not kind_runs],
         )
         if len(rules) > 1 and best.split != split:
             at_best, climbed = {}, best

@@ -14,8 +14,8 @@ as its Table 4 split (and its sweep's best split) measures them (``--router``); 
 stated per run. Every static baseline (and PivotRL's trainer pool) runs at the
 seed's Table 4 split scaled to N devices and at the best split a hill-climb over the sweep
 grid finds, in the same regime (``--no-sweep``: Table 4 only; ``--jobs``: worker processes,
-default one more than the CPUs it may use, running a sweep's next candidates side by side
-with the same result); PivotRL's speedup over a
+default one per CPU it may use, running a sweep's next candidates side by side with the
+same result); PivotRL's speedup over a
 baseline is against the better of the two. For the run each comparison uses (PivotRL's best,
 each baseline's best) it prints the fraction of the physical bounds reached by the measured
 steps, from the first one's start (work-conserving, critical-path, combined: ``pivot.bounds``) and the time account
@@ -92,11 +92,10 @@ ROUTER_CHOICES = ("best", *ROUTER_RULES)
 
 
 def default_jobs() -> int:
-    """One more worker than the CPUs this process may use: a climb's next run and the two
-    it may read after it (``climb_ahead``) run side by side, so that a sweep that moves once
-    and stops (Table 4's split, one neighbour, that one's neighbour) takes about one and a
-    half runs of time on two cores instead of two."""
-    return len(os.sched_getaffinity(0)) + 1
+    """A worker per CPU this process may use: the runs are CPU-bound, and a run beyond the
+    CPUs (a climb's guess of what it reads next) slows the ones it will read for certain:
+    a deployment's rules at Table 4's split, then a round of the climb's candidates."""
+    return len(os.sched_getaffinity(0))
 
 
 def role_scale(text: str) -> tuple[str, float]:
@@ -186,7 +185,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=positive,
         default=None,
         help="worker processes for a comparison's runs: a sweep's next candidates run side "
-        "by side, the same result (default: one more than the CPUs this process may use; "
+        "by side, the same result (default: one per CPU this process may use; "
         "1: one run at a time, in process)",
     )
     p.add_argument("--no-plot", action="store_true", help="skip the plots")

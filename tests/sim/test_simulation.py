@@ -530,6 +530,48 @@ def test_the_sweep_climbs_to_the_whole_cluster_when_throughput_still_rises(monke
     assert ran == [(t, 3, 6) for t in pools]
 
 
+def test_a_climb_runs_ahead_its_candidates_left_first_then_the_first_ones_way_on():
+    from pivot.actors.simulation import climb_ahead
+    from pivot.deployment import neighbours
+
+    sizes = {Role.ROLLOUT: 1, Role.REWARD: 4}
+    grid = sweep_splits(DeploymentKind.PIVOT, 32, sizes)
+    here = table4_split(DeploymentKind.PIVOT, 32, sizes)
+    first, second = neighbours(here, grid)
+    # every climb ends with a round in which no candidate wins, and then it reads them all
+    on = next(c for c in neighbours(first, grid) if c != here)
+    assert climb_ahead(grid, {here}, [first, second], 3) == [first, second, on]
+    assert climb_ahead(grid, {here, first}, [first, second], 3)[0] == second
+
+
+def test_a_deployments_routing_rules_share_its_workers():
+    from concurrent.futures import Executor, Future
+
+    from pivot.actors.simulation import SplitRuns
+
+    class Held(Executor):  # takes runs and runs none, until told a run ended
+        def __init__(self) -> None:
+            self.taken: list[tuple[str, str]] = []
+
+        def submit(self, fn, *args, **kwargs):
+            self.taken.append((args[1].label(), args[2].router))
+            return Future()
+
+    pool, flight = Held(), set()
+    paper, rr = (
+        SplitRuns(None, SimulationSettings(router=r), pool=pool, jobs=2, flight=flight)
+        for r in ("paper", "round_robin")
+    )
+    splits = [Split(kind=DeploymentKind.PIVOT, gpus=8, shared=8 - t, training=t) for t in (2, 4)]
+    assert paper.start(splits[0]) and rr.start(splits[0])
+    assert not paper.start(splits[1])  # both workers busy, one with the other rule's run
+    next(iter(flight)).set_result(None)  # a run ends: its worker is free
+    assert paper.start(splits[1])
+    assert pool.taken == [("shared6/pool2", "paper"), ("shared6/pool2", "round_robin")] + [
+        ("shared4/pool4", "paper")
+    ]
+
+
 def test_a_sweep_in_worker_processes_climbs_as_one_in_process(tmp_path):
     # the runs of a sweep side by side in two processes (the candidates of a split started
     # at once, read in order): the same climb, the same best split, the same figures
