@@ -735,7 +735,8 @@ def simulate(
             folder.mkdir(parents=True, exist_ok=True)
         # the routing rule too: a deployment's Table 4 split runs under each rule side by side
         # in worker processes, and two runs on one journal would recover each other's shifts
-        parts = (split.kind.value, split.label(), label, settings.router)
+        held = "" if settings.planner.shift_roles else "roles-held"
+        parts = (split.kind.value, split.label(), label, settings.router, held)
         name = "-".join(_slug(p) for p in parts if p)
         path = folder / f"journal-{name}.bin"
         if path.exists():
@@ -805,6 +806,8 @@ class Comparison(msgspec.Struct, kw_only=True):
     pivot_runs: BaselineRuns | None = None  # pivot at Table 4's pool and the swept pool
     warmup: int = 0  # warm-up steps per run (excluded from the throughput)
     routers: dict[str, dict[str, str]] = {}  # deployment -> role -> routing rule
+    # whether PivotRL's planner, as kept, shifts devices between rollout and reward
+    pivot_shifts_roles: bool = True
 
     def speedups(self) -> dict[str, float | None]:
         out: dict[str, float | None] = {}
@@ -1011,6 +1014,7 @@ def compare(
     progress: Callable[[str], None] | None = None,
     on_run: Callable[[RunResult], None] | None = None,
     routers: Sequence[str] | None = None,
+    roles: Sequence[bool] | None = None,
     jobs: int = 1,
     split: Split | None = None,
 ) -> Comparison:
@@ -1018,7 +1022,8 @@ def compare(
     hill-climb finds (``best_static``; for PivotRL: its trainer pool, the one pool it does not
     shift), every run in the same regime (``settings``: warm-up and measured steps). Each
     deployment runs Table 4's split with every rule of ``routers`` (default: the one
-    ``settings`` names) and keeps, and sweeps with, the one that serves it best. ``on_run``
+    ``settings`` names), PivotRL each of those also with each way of ``roles``
+    (``configurations``), and keeps, and sweeps with, the one that serves it best. ``on_run``
     gets each run that ``Comparison.runs`` will list as it finishes (what an interrupted
     comparison has so far). ``jobs`` > 1 and ``sweep``: the runs of a deployment run in that
     many worker processes, a sweep's first candidates beside Table 4's run (``SplitRuns``);
@@ -1042,6 +1047,7 @@ def compare(
         say=progress or (lambda _: None),
         done=on_run or (lambda _: None),
         routers=routers,
+        roles=roles,
         jobs=jobs if sweep else 1,
     )
 
@@ -1096,6 +1102,7 @@ def _compare(
     say: Callable[[str], None],
     done: Callable[[RunResult], None],
     routers: Sequence[str] | None,
+    roles: Sequence[bool] | None,
     jobs: int,
 ) -> Comparison:
     baselines: dict[str, BaselineRuns] = {}
@@ -1104,8 +1111,8 @@ def _compare(
         # a pool per deployment: what one ran ahead and no longer needs stops with it
         with _workers(jobs) as pool:
             baselines[kind.value] = _deployment_runs(
-                workload, gpus, settings, kind, sweep, journal_dir, say, done, routers,
-                pool, jobs, chosen, start,
+                workload, gpus, settings, kind, sweep, journal_dir, say, done,
+                configurations(kind, settings, routers, roles), pool, jobs, chosen, start,
             )  # fmt: skip
     pivot_runs = baselines.pop(DeploymentKind.PIVOT.value, None)
     return Comparison(
@@ -1118,7 +1125,33 @@ def _compare(
         baselines=baselines,
         pivot_runs=pivot_runs,
         routers={k.value: _policies(_routers(k, chosen[k.value], workload)) for k in kinds},
+        pivot_shifts_roles=chosen.get("pivot", settings).planner.shift_roles,
     )
+
+
+ROLES_HELD = "roles held"  # a configuration's label says so where PivotRL holds its split
+
+
+def configurations(
+    kind: DeploymentKind,
+    settings: SimulationSettings,
+    routers: Sequence[str] | None = None,
+    roles: Sequence[bool] | None = None,
+) -> dict[str, SimulationSettings]:
+    """What a comparison tries of one deployment at its first split, by label: each routing
+    rule of ``routers`` (default: the one ``settings`` names) and, for PivotRL, each way of
+    ``roles`` its planner treats the rollout/reward split (``PlannerSettings.shift_roles``:
+    True shifts devices between the roles, False holds the split and only lends the trainer
+    pool; default: the way ``settings`` says). Neither way serves every workload best: on the
+    72B group holding gains 2% (24 steps, seeds 0 and 1), on the 7B group it loses 10%."""
+    rules = list(routers) if routers else [settings.router]
+    ways = list(roles) if roles and kind is DeploymentKind.PIVOT else [settings.planner.shift_roles]
+    out = {}
+    for shift in ways:
+        for rule in rules:
+            label = rule if shift else f"{rule}, {ROLES_HELD}"
+            out[label] = pivot_settings(settings, router=rule, shift_roles=shift)
+    return out
 
 
 def _deployment_runs(
@@ -1130,52 +1163,54 @@ def _deployment_runs(
     journal_dir: str | Path | None,
     say: Callable[[str], None],
     done: Callable[[RunResult], None],
-    routers: Sequence[str] | None,
+    configs: dict[str, SimulationSettings],
     pool: Executor | None,
     jobs: int,
     chosen: dict[str, SimulationSettings],
     start: Split | None = None,
 ) -> BaselineRuns:
-    """One deployment's runs at Table 4's split, or ``start`` (each routing rule), and its
-    sweep; the settings it keeps go to ``chosen``."""
+    """One deployment's runs at Table 4's split, or ``start`` (each of ``configs``), and its
+    sweep with the best of them; the settings it keeps go to ``chosen``."""
     split = start or table4_split(kind, gpus, workload.replica_sizes())
     label = "table4" if start is None else "split"
-    rules = list(routers) if routers else [settings.router]
     swept = sweep and kind is not DeploymentKind.COLOCATED
     flight: set[Future[RunResult]] = set()
-    by_rule = {
-        rule: SplitRuns(
-            workload,
-            msgspec.structs.replace(settings, router=rule),
-            journal_dir=journal_dir,
-            pool=pool,
-            jobs=jobs,
-            flight=flight,
+    by_config = {
+        name: SplitRuns(
+            workload, config, journal_dir=journal_dir, pool=pool, jobs=jobs, flight=flight
         )
-        for rule in rules
+        for name, config in configs.items()
     }
-    for rule_runs in by_rule.values():
-        rule_runs.start(split, label)
-    kind_runs = by_rule[rules[0]]
+    for config_runs in by_config.values():
+        config_runs.start(split, label)
+    kind_runs = next(iter(by_config.values()))
     ahead = None
-    if swept and len(rules) == 1:
-        # one rule: the climb's first candidates need not wait for Table 4's run
+    if swept and len(configs) == 1:
+        # one configuration: the climb's first candidates need not wait for Table 4's run
         grid = sweep_splits(kind, gpus, workload.replica_sizes())
         ahead = functools.partial(climb_ahead, grid, kind_runs.done, neighbours(split, grid), jobs)
     table4: RunResult | None = None
-    tried_rules: dict[str, float] = {}
-    for rule, rule_runs in by_rule.items():
-        run = rule_runs.result(split, label, ahead=ahead)
-        tried_rules[rule] = round(run.samples_per_s, 6)
+    tried: dict[str, float] = {}
+    for name, config_runs in by_config.items():
+        run = config_runs.result(split, label, ahead=ahead)
+        tried[name] = round(run.samples_per_s, 6)
         if table4 is None or run.samples_per_s > table4.samples_per_s:
-            table4, kind_runs, chosen[kind.value] = run, rule_runs, rule_runs.settings
+            table4, kind_runs, chosen[kind.value] = run, config_runs, config_runs.settings
     assert table4 is not None
     kind_settings = chosen[kind.value]
     done(table4)  # before the line: a run the line announces is one Ctrl-C keeps
     where = "table 4" if start is None else "split"
     say(f"{kind.value} {split.label()} ({where}): {table4.samples_per_s:.3f} samples/s")
-    runs = BaselineRuns(table4=table4, routers_tried=tried_rules if len(rules) > 1 else {})
+    runs = BaselineRuns(table4=table4, routers_tried=tried if len(configs) > 1 else {})
     if swept:
+        # at the best split, the other rules with the way of the split the climb kept: a
+        # rule serves one split better than another, and a run per way again costs a round
+        # of runs for what Table 4's split already settled
+        again = [
+            r
+            for r in by_config.values()
+            if r.settings.planner.shift_roles == kind_settings.planner.shift_roles
+        ]
         best, runs.tried = best_static(
             workload,
             kind,
@@ -1187,15 +1222,17 @@ def _deployment_runs(
             runs=kind_runs,
             # the other rules run where the climb may end as soon as it moves there: after
             # the climb they would wait for its last run, and for what it ran ahead
-            on_move=lambda moved: [r.start(moved) for r in by_rule.values() if r is not kind_runs],
+            on_move=lambda moved: [r.start(moved) for r in again if r is not kind_runs],
         )
-        if len(rules) > 1 and best.split != split:
+        if len(again) > 1 and best.split != split:
             at_best, climbed = {}, best
-            for rule, rule_runs in by_rule.items():
-                run = climbed if rule_runs is kind_runs else rule_runs.result(climbed.split)
-                at_best[rule] = round(run.samples_per_s, 6)
+            for name, config_runs in by_config.items():
+                if config_runs not in again:
+                    continue
+                run = climbed if config_runs is kind_runs else config_runs.result(climbed.split)
+                at_best[name] = round(run.samples_per_s, 6)
                 if run.samples_per_s > best.samples_per_s:
-                    best, chosen[kind.value] = run, rule_runs.settings
+                    best, chosen[kind.value] = run, config_runs.settings
             runs.routers_tried_at_best = at_best
         runs.sweep = best
         if best is not table4:

@@ -4,14 +4,17 @@ against the colocated, disaggregated and rollout-reward colocated deployments.
     pivot simulate CONFIG [--deployment D] [--gpus N] [--steps K] [--warmup W] [--seed S]
                           [--json] [--run-dir DIR] [--horizon H] [--ablation A ...]
                           [--study horizon|ablation] [--no-sweep] [--router R]
-                          [--split SPLIT] [--prior-itl-scale ROLE=X ...] [--jobs J]
+                          [--roles best|shift|held] [--split SPLIT] [--prior-itl-scale ROLE=X ...] [--jobs J]
 
 Steady state: every run does W warm-up steps, reported apart, then K measured steps; its
 throughput is the measured steps' samples over the window from the end of the last warm-up
 step to the end of the last step. Each deployment, PivotRL included, routes by the rule that
 serves it best, the paper's (rollout throughput-optimal, reward lowest-ITL) or round-robin,
 as its Table 4 split (and its sweep's best split) measures them (``--router``); the rules are
-stated per run. Every static baseline (and PivotRL's trainer pool) runs at the
+stated per run. PivotRL's planner either shifts devices between rollout and reward or holds
+that split and only lends the trainer pool (``--roles``; by default both are tried at Table
+4's split and the better is kept, as for the rules: neither serves every workload best), and
+the report says which. Every static baseline (and PivotRL's trainer pool) runs at the
 seed's Table 4 split scaled to N devices and at the best split a hill-climb over the sweep
 grid finds, in the same regime (``--no-sweep``: Table 4 only; ``--jobs``: worker processes,
 default one per CPU it may use, running a sweep's next candidates side by side with the
@@ -89,6 +92,10 @@ ABLATION_NAMES = (
 # one (measured: neither serves every deployment best, PivotRL included)
 ROUTER_RULES = ("paper", "round_robin")
 ROUTER_CHOICES = ("best", *ROUTER_RULES)
+# --roles: "best" runs PivotRL's Table 4 split with its planner shifting devices between
+# rollout and reward and with that split held (only the trainer pool lent), and keeps the
+# better (``pivot.actors.simulation.configurations``)
+ROLES_CHOICES = ("best", "shift", "held")
 
 
 def default_jobs() -> int:
@@ -166,6 +173,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "at Table 4's split and the sweep's best; default), paper, round_robin",
     )
     p.add_argument(
+        "--roles",
+        choices=ROLES_CHOICES,
+        default="best",
+        help="whether PivotRL's planner shifts devices between rollout and reward: best (both "
+        "tried at Table 4's split, the better kept; default), shift, held (only the trainer "
+        "pool is lent)",
+    )
+    p.add_argument(
         "--interval",
         type=float,
         default=1.0,
@@ -233,6 +248,8 @@ def main(args: argparse.Namespace) -> int:
         router=rule,
         prior_itl_scale=dict(args.prior_itl_scale),
     )
+    if args.roles == "held":
+        planner["shift_roles"] = False
     if planner:
         settings = pivot_settings(settings, **planner)
     name = workload.config.name
@@ -255,6 +272,7 @@ def main(args: argparse.Namespace) -> int:
         "study": args.study,
         "sweep": not args.no_sweep,
         "router": args.router,
+        "roles": args.roles,
     }
     try:
         if args.study is not None:
@@ -277,6 +295,7 @@ def main(args: argparse.Namespace) -> int:
                 deployments=deployments,
                 sweep=not args.no_sweep,
                 routers=ROUTER_RULES if args.router == "best" else None,
+                roles=(True, False) if args.roles == "best" else None,
                 journal_dir=journals,
                 progress=progress,
                 on_run=finished.append,
@@ -401,6 +420,11 @@ def _comparison_report(comparison: Any, args: argparse.Namespace) -> dict[str, A
         "window": WINDOW,
         "sweep": SWEEP if not args.no_sweep else None,
         "routers": comparison.routers,
+        "pivot_roles": (
+            ("shifted" if comparison.pivot_shifts_roles else "held")
+            if comparison.pivot is not None
+            else None
+        ),
         "throughput": throughput,
         "speedup": speedup,
         "speedup_pivot_at_table4": at_table4,
@@ -454,6 +478,8 @@ def _format(report: dict[str, Any], plots: list[Path]) -> str:
         lines.append(f"routing: every deployment, {next(iter(rules.values()))}")
     else:
         lines.extend(f"routing: {kind}, {rule}" for kind, rule in rules.items())
+    if report.get("pivot_roles"):
+        lines.append(f"PivotRL's rollout/reward split: {report['pivot_roles']}")
     if "study" in report:
         lines.append(f"PivotRL at {report['split']}")
         lines.append(

@@ -50,23 +50,29 @@ def test_json_comparison_is_the_same_bytes_for_the_same_seed(tmp_path, capsys):
     # the routers are stated, per deployment and per run: each deployment, pivot too, keeps
     # the rule its best split ran fastest with (each rule is tried at Table 4's split, and
     # again at the sweep's best when that is another; a tie keeps the rule kept before: the
-    # paper's at Table 4's split, the one the sweep ran with at its best)
+    # first tried at Table 4's split, the one the sweep ran with at its best). PivotRL tries
+    # each rule with its rollout/reward split shifted and held, and keeps the way too.
     paper = {"rollout": "throughput_optimal", "reward": "lowest_itl"}
     rules = {"paper": paper, "round_robin": {"rollout": "round_robin", "reward": "round_robin"}}
+    held = {f"{rule}, roles held": rule for rule in rules}
     for kind in ("pivot", "colocated", "disaggregated", "rr-colocated"):
         tried = report["splits"][kind]["routers_tried"]
-        assert set(tried) == set(rules)
+        assert set(tried) == (set(rules) | set(held) if kind == "pivot" else set(rules))
         assert report["splits"][kind]["table4_samples_per_s"] == max(tried.values())
-        kept = max(tried, key=lambda r: (tried[r], r == "paper"))
+        order = list(tried)
+        kept = max(tried, key=lambda r: (tried[r], -order.index(r)))
         at_best = report["splits"][kind]["routers_tried_at_best"]
         if report["splits"][kind]["best"] != report["splits"][kind]["table4"]:
-            assert set(at_best) == set(rules)
+            # the other rules again, the way kept: the climb ran with it
+            assert set(at_best) == (set(held) if kept in held else set(rules))
             best = report["throughput"][kind]["samples_per_s"]
             assert best == pytest.approx(max(at_best.values()), rel=1e-6)
             kept = max(at_best, key=lambda r, swept=kept: (at_best[r], r == swept))
         else:
             assert at_best == {}
-        assert report["routers"][kind] == rules[kept]
+        assert report["routers"][kind] == rules[held.get(kept, kept)]
+        if kind == "pivot":
+            assert report["pivot_roles"] == ("held" if kept in held else "shifted")
     runs = {r["deployment"]: r["routers"] for r in report["runs"]}
     assert runs == report["routers"]
     # pivot: the better of Table 4's trainer pool and the swept one, both reported

@@ -572,6 +572,32 @@ def test_a_deployments_routing_rules_share_its_workers():
     ]
 
 
+def test_pivot_is_tried_with_its_split_shifted_and_held_a_baseline_with_its_rules(tmp_path):
+    from pivot.actors.simulation import configurations, pivot_settings
+
+    rules, settings = ("paper", "round_robin"), SimulationSettings(steps=3, warmup=1)
+    tried = configurations(DeploymentKind.PIVOT, settings, rules, (True, False))
+    assert {k: (c.router, c.planner.shift_roles) for k, c in tried.items()} == {
+        "paper": ("paper", True),
+        "round_robin": ("round_robin", True),
+        "paper, roles held": ("paper", False),
+        "round_robin, roles held": ("round_robin", False),
+    }
+    # a static baseline has no planner to hold: its rules only
+    assert list(configurations(DeploymentKind.DISAGGREGATED, settings, rules, (True, False))) == [
+        "paper",
+        "round_robin",
+    ]
+    # held: the trainer pool is lent and reclaimed, and no device changes inference role
+    workload = _busy_toy(tmp_path)
+    split = _pivot(workload, gpus=8, training=2)
+    shifted = simulate(workload, split, settings)
+    held = simulate(workload, split, pivot_settings(settings, shift_roles=False))
+    assert any(m.kind == "shift" for m in shifted.marks)
+    assert {m.kind for m in held.marks} == {"lend_trainer", "reclaim_trainer"}
+    assert {(m.allocation["rollout"], m.allocation["reward"]) for m in held.marks} == {(3, 3)}
+
+
 def test_a_sweep_in_worker_processes_climbs_as_one_in_process(tmp_path):
     # the runs of a sweep side by side in two processes (the candidates of a split started
     # at once, read in order): the same climb, the same best split, the same figures
