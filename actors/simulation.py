@@ -733,8 +733,9 @@ def simulate(
         else:
             folder = Path(journal_dir)
             folder.mkdir(parents=True, exist_ok=True)
-        # the routing rule too: a deployment's Table 4 split runs under each rule side by side
-        # in worker processes, and two runs on one journal would recover each other's shifts
+        # the routing rule and the planner's way too: a deployment's Table 4 split runs under
+        # each side by side in worker processes, and two runs on one journal would recover
+        # each other's shifts
         held = "" if settings.planner.shift_roles else "roles-held"
         parts = (split.kind.value, split.label(), label, settings.router, held)
         name = "-".join(_slug(p) for p in parts if p)
@@ -1206,11 +1207,8 @@ def _deployment_runs(
         # at the best split, the other rules with the way of the split the climb kept: a
         # rule serves one split better than another, and a run per way again costs a round
         # of runs for what Table 4's split already settled
-        again = [
-            r
-            for r in by_config.values()
-            if r.settings.planner.shift_roles == kind_settings.planner.shift_roles
-        ]
+        way = kind_settings.planner.shift_roles
+        again = {n: r for n, r in by_config.items() if r.settings.planner.shift_roles == way}
         best, runs.tried = best_static(
             workload,
             kind,
@@ -1222,13 +1220,11 @@ def _deployment_runs(
             runs=kind_runs,
             # the other rules run where the climb may end as soon as it moves there: after
             # the climb they would wait for its last run, and for what it ran ahead
-            on_move=lambda moved: [r.start(moved) for r in again if r is not kind_runs],
+            on_move=lambda moved: [r.start(moved) for r in again.values() if r is not kind_runs],
         )
         if len(again) > 1 and best.split != split:
             at_best, climbed = {}, best
-            for name, config_runs in by_config.items():
-                if config_runs not in again:
-                    continue
+            for name, config_runs in again.items():
                 run = climbed if config_runs is kind_runs else config_runs.result(climbed.split)
                 at_best[name] = round(run.samples_per_s, 6)
                 if run.samples_per_s > best.samples_per_s:

@@ -4,7 +4,8 @@ against the colocated, disaggregated and rollout-reward colocated deployments.
     pivot simulate CONFIG [--deployment D] [--gpus N] [--steps K] [--warmup W] [--seed S]
                           [--json] [--run-dir DIR] [--horizon H] [--ablation A ...]
                           [--study horizon|ablation] [--no-sweep] [--router R]
-                          [--roles best|shift|held] [--split SPLIT] [--prior-itl-scale ROLE=X ...] [--jobs J]
+                          [--roles best|shift|held] [--split SPLIT]
+                          [--prior-itl-scale ROLE=X ...] [--jobs J]
 
 Steady state: every run does W warm-up steps, reported apart, then K measured steps; its
 throughput is the measured steps' samples over the window from the end of the last warm-up
