@@ -41,9 +41,10 @@ import functools
 import gc
 import multiprocessing
 import signal
+import statistics
 import tempfile
 import time
-from collections.abc import Callable, Container, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
@@ -217,6 +218,34 @@ class RunResult(msgspec.Struct, kw_only=True):
             return {}
         return {k: round(v, 4) for k, v in self.bound.fractions().items()}
 
+    def latency(self) -> dict[str, float]:
+        """Where a measured step's time went from its batch's admission, means in virtual
+        seconds: to its last response (``rollout_s``), to its training's start
+        (``until_training_s``: scoring, then any wait for the trainer), training
+        (``train_s``), to trained (``step_s``); beside them the critical-path bound's terms
+        (``pivot.bounds``): its longest response and judgment each decoded alone
+        (``chain_s``) and its training on the whole cluster (``train_bound_s``). A step ends
+        no sooner than ``chain_s + train_bound_s`` after its admission: what it takes
+        beyond that is queueing and decoding among others, the trainer's wait, and training
+        on fewer devices."""
+        measured = [s for s in self.steps if not s.warmup]
+        if not measured:
+            return {}
+
+        def mean(values: Iterable[float]) -> float:
+            return round(statistics.fmean(values), 3)
+
+        out = {
+            "step_s": mean(s.seconds for s in measured),
+            "rollout_s": mean(s.rollout_s for s in measured),
+            "until_training_s": mean(s.seconds - s.train_s for s in measured),
+            "train_s": mean(s.train_s for s in measured),
+        }
+        if self.bound is not None:
+            out["chain_s"] = round(self.bound.chain_s, 3)
+            out["train_bound_s"] = round(self.bound.train_s, 3)
+        return out
+
     def account_seconds(self) -> dict[str, float]:
         """Device-seconds per time-account category (summing to devices x window)."""
         if self.account is None:
@@ -247,6 +276,7 @@ class RunResult(msgspec.Struct, kw_only=True):
             },
             "bound": self.bound_fractions(),
             "account": self.account_seconds(),
+            "latency": self.latency(),
             # the bounds' and the account's window: from the first measured step's start
             "bound_window_s": round(self.account.window_s, 3) if self.account else None,
         }

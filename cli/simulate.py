@@ -432,6 +432,7 @@ def _comparison_report(comparison: Any, args: argparse.Namespace) -> dict[str, A
         "shifts_per_step": round(pivot.shifts_per_step, 3) if pivot is not None else None,
         "bound": {kind: run.bound_fractions() for kind, run in used.items()},
         "account": {kind: run.account_seconds() for kind, run in used.items()},
+        "latency": {kind: run.latency() for kind, run in used.items()},
         # the batch from which decoding counts as busy (the same batches: the same for all)
         "busy_from_batch": next(
             (dict(r.account.thresholds) for r in used.values() if r.account is not None), {}
@@ -517,6 +518,7 @@ def _format(report: dict[str, Any], plots: list[Path]) -> str:
                 parts = ", ".join(f"{k} {v:.2f}x" for k, v in sorted(at_table4.items()))
                 lines.append(f"  (PivotRL at Table 4's trainer pool, not swept: {parts})")
         lines.extend(_bounds_table(report.get("bound") or {}, report.get("account") or {}))
+        lines.extend(_latency_table(report.get("latency") or {}))
         busy_from = report.get("busy_from_batch") or {}
         if busy_from:
             from pivot.bounds import NEAR_EFFICIENT
@@ -565,6 +567,27 @@ def _bounds_table(bounds: dict[str, dict], accounts: dict[str, dict]) -> list[st
         lines.append(
             f"{kind:<15}{b['work']:>7.2f}{b['critical_path']:>7.2f}{b['combined']:>7.2f}"
             + "".join(f"{100 * seconds.get(k, 0.0) / whole:>10.1f}" for k in ACCOUNT)
+        )
+    return lines
+
+
+def _latency_table(latencies: dict[str, dict]) -> list[str]:
+    """Each deployment's mean step from its batch's admission, beside the critical path's
+    terms (``RunResult.latency``)."""
+    if not any(latencies.values()):
+        return []
+    lines = [
+        "a step from its batch's admission (mean s): to its last response, to training, "
+        "training, to trained; the bound's longest chain alone and training on every device:",
+        f"{'deployment':<15}{'rollout':>9}{'to train':>9}{'train':>9}{'step':>9}"
+        f"{'chain':>9}{'train*':>9}",
+    ]
+    for kind, t in latencies.items():
+        if not t:
+            continue
+        lines.append(
+            f"{kind:<15}{t['rollout_s']:>9.1f}{t['until_training_s']:>9.1f}{t['train_s']:>9.1f}"
+            f"{t['step_s']:>9.1f}{t.get('chain_s', 0.0):>9.1f}{t.get('train_bound_s', 0.0):>9.1f}"
         )
     return lines
 

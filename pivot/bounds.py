@@ -216,6 +216,9 @@ class Bound(msgspec.Struct, frozen=True, kw_only=True):
     work_device_s: dict[str, float]  # role -> device-seconds of work at the efficient points
     # device-seconds of warm-up training the window must hold (the module docstring)
     carried_device_s: float = 0.0
+    # the critical-path terms, means over the measured steps: C_k and T_k
+    chain_s: float = 0.0
+    train_s: float = 0.0
 
     @property
     def combined_s(self) -> float:
@@ -300,6 +303,8 @@ def run_bound(
         actual_s=t1 - t0,
         work_device_s=work,
         carried_device_s=carried,
+        chain_s=float(np.mean([s.chain_s for s in measured])) if measured else 0.0,
+        train_s=float(np.mean([s.train_s for s in measured])) if measured else 0.0,
     )
 
 

@@ -97,6 +97,14 @@ def test_json_comparison_is_the_same_bytes_for_the_same_seed(tmp_path, capsys):
         assert run["bound"] == fractions and run["account"] == report["account"][kind]
         assert sum(run["account"].values()) == pytest.approx(8 * run["bound_window_s"], abs=1.0)
         assert run["bound_window_s"] >= run["seconds"]  # from the first measured step's start
+        # a step from its batch's admission: no sooner trained than its chain alone and its
+        # training on every device, its parts in order
+        t = run["latency"]
+        assert t == report["latency"][kind]
+        assert t["rollout_s"] <= t["until_training_s"] <= t["step_s"]
+        assert t["until_training_s"] + t["train_s"] == pytest.approx(t["step_s"], abs=2e-3)
+        assert t["train_s"] >= t["train_bound_s"] > 0
+        assert t["step_s"] >= t["chain_s"] + t["train_bound_s"] > t["chain_s"] > 0
     # the threshold of "busy": 2 sequences, where ITL = max(10 ms, 5 ms x running) stops rising
     assert report["busy_from_batch"] == {"rollout": 2, "reward": 2}
 

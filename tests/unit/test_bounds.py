@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -66,6 +67,18 @@ def test_one_sequence_bounds_by_hand():
     assert bound.work_device_s["training"] == pytest.approx(2 * 3.0 + 110 * 0.016, rel=1e-6)
     run = run_bound([bound], devices=4, staleness=0, window=(0.0, 10.0))
     assert run.critical_path_s == pytest.approx(2.0 + 3.44, rel=1e-6)
+    # the terms a step's latency is set against: its chain and its training, measured steps'
+    assert (run.chain_s, run.train_s) == pytest.approx((2.0, 3.44), rel=1e-6)
+    slower = msgspec.structs.replace(bound, step=1, chain_s=4.0, train_s=5.0)
+    later = run_bound(
+        [bound, slower, slower],
+        devices=4,
+        staleness=0,
+        window=(5.44, 30.0),
+        first_step=1,
+        history=[(0.0, 5.44)],
+    )
+    assert (later.chain_s, later.train_s) == pytest.approx((4.0, 5.0), rel=1e-9)
     assert run.work_s == pytest.approx((0.25 + 0.25 + 7.76) / 4, rel=1e-6)
     fractions = run.fractions()
     assert fractions["combined"] == pytest.approx(0.544, rel=1e-6)
