@@ -1277,6 +1277,7 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "no-early-reclaim": {"early_reclaim": False},
     "no-lead-correction": {"reclaim_lead_gain": 0.0},
     "no-gradient-helpers": {"gradient_helpers": False},
+    "no-trainer-bound-helpers": {"trainer_bound_share": 1.0},
     "no-rollout-floor": {"rollout_floor": False},
     "no-protection": {"protect_oldest": False},
 }

@@ -85,6 +85,7 @@ ABLATION_NAMES = (
     "no-early-reclaim",
     "no-lead-correction",
     "no-gradient-helpers",
+    "no-trainer-bound-helpers",
     "no-rollout-floor",
     "no-protection",
     "rule-based",

@@ -60,6 +60,7 @@ from pivot.config import (
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
+    UnitInterval,
 )
 from pivot.planning.candidates import BLOCKED, FREE, CandidatePlan, best_plans, wake_groups
 from pivot.planning.cost import CostModel, OnlineCostModel
@@ -70,7 +71,7 @@ from pivot.planning.evaluation import (
     objective,
     simulate_role,
 )
-from pivot.planning.helpers import idle_until_step_ends
+from pivot.planning.helpers import TrainerLoad, idle_until_step_ends
 from pivot.planning.moves import MoveLearning, MoveLedger
 from pivot.planning.plans import (
     TRAINER_ID,
@@ -122,6 +123,11 @@ class PlannerSettings(ConfigStruct, kw_only=True):
     # inference replicas with nothing to run until the train step ends compute gradients
     # for it (pivot.planning.helpers), where the trainer's backend takes them
     gradient_helpers: bool = True
+    # the run is trainer-bound once the trainer trained at least this share of the time (an
+    # exponential average, time constant ``trainer_bound_window_s``); then an idle reward
+    # replica helps while another serves (pivot.planning.helpers). 1: never
+    trainer_bound_share: UnitInterval = 0.8
+    trainer_bound_window_s: PositiveFloat = 900.0
     # rollout latency floor: the critical (longest) response decodes at its replica's ITL,
     # which grows with the sequences and tokens it shares the replica with. The floor is the
     # fewest rollout replicas at which one holding the mean load decodes within
@@ -663,6 +669,7 @@ class Planner:
         for role in INFERENCE_ROLES:
             self.set_cost_model(role, self.cost_models[role])
         self.moves = MoveLedger(self.settings.moves)
+        self.trainer_load = TrainerLoad(self.settings.trainer_bound_window_s)
 
     def set_cost_model(self, role: Role, model: CostModel) -> None:
         self.cost_models[role] = model
@@ -710,12 +717,18 @@ class Planner:
     ) -> tuple[ReplicaState, ...]:
         """The inference replicas to offer the train step in flight as gradient helpers
         (``pivot.planning.helpers``); none with ``gradient_helpers`` off."""
+        self.trainer_load.observe(snapshot)
         if not self.settings.gradient_helpers:
             return ()
-        return idle_until_step_ends(snapshot, helping)
+        return idle_until_step_ends(snapshot, helping, trainer_bound=self._trainer_bound())
+
+    def _trainer_bound(self) -> bool:
+        bound = self.settings.trainer_bound_share
+        return bound < 1.0 and self.trainer_load.share >= bound
 
     def decide(self, snapshot: ClusterSnapshot) -> Decision:
         settings = self.settings
+        self.trainer_load.observe(snapshot)
         if settings.refit:
             self._refit(snapshot.now)
         if settings.moves.learn:

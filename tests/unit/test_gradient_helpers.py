@@ -8,7 +8,7 @@ from planner_cases import MODELS, cluster, replica, snapshot, training
 from pivot.cluster import Role
 from pivot.engines.helped_step import HelpedStep, Helper
 from pivot.planning.planner import Planner, PlannerSettings
-from pivot.planning.snapshot import TrainerPhase
+from pivot.planning.snapshot import QueueState, TrainerPhase
 from pivot.timeline import HelperSpan
 
 SPEC = cluster()
@@ -68,3 +68,35 @@ def test_the_planner_offers_idle_replicas_only_to_a_backend_that_takes_helpers()
         assert offered(snap, **takes) == []
     off = Planner(SPEC, MODELS, PlannerSettings(gradient_helpers=False))
     assert offered(idle(), off, **takes) == []
+
+
+def test_a_trainer_bound_run_lends_idle_reward_replicas_beside_a_serving_one():
+    takes = {"trainer_takes_helpers": True}
+    # rollout still runs (ro0) and rm1 judges: rm0 idles, which today waits for rollout to end
+    tail = idle(ro0=1, rm1=1)
+    planner = Planner(SPEC, MODELS)
+    assert offered(tail, planner, **takes) == ["ro1"]
+    # the trainer trains for a while (the share of time it trained, time constant 900 s)...
+    for now in range(100, 2000, 100):
+        offered(tail, planner, now=float(now), **takes)
+    assert planner.trainer_load.share > 0.8
+    # ...so batches wait for it: rm0 helps, rm1 takes the judgments still to come
+    assert offered(tail, planner, now=2000.0, **takes) == ["ro1", "rm0"]
+    # not while judgments queue, nor with no other reward replica serving
+    assert offered(tail, planner, now=2001.0, reward_queue=QueueState(1, 100), **takes) == ["ro1"]
+    assert offered(idle(ro0=1), planner, now=2002.0, **takes) == ["ro1"]
+    # a trainer that waits for its batches brings the share back down
+    waits = Planner(SPEC, MODELS)
+    for now in range(100, 2000, 100):
+        waits.decide(msgspec.structs.replace(tail, now=float(now), trainer=TrainerPhase.WAITING))
+    assert waits.trainer_load.share == 0.0
+    for now in range(2000, 2400, 100):
+        offered(tail, waits, now=float(now), **takes)
+    assert 0.0 < waits.trainer_load.share < 0.8
+    assert offered(tail, waits, now=2400.0, **takes) == ["ro1"]
+    # off (1: never trainer-bound), however long it trains
+    never = Planner(SPEC, MODELS, PlannerSettings(trainer_bound_share=1.0))
+    for now in range(100, 5000, 100):
+        offered(tail, never, now=float(now), **takes)
+    assert never.trainer_load.share == pytest.approx(1.0, abs=0.01)
+    assert offered(tail, never, now=5000.0, **takes) == ["ro1"]
