@@ -583,12 +583,13 @@ def _latency_table(latencies: dict[str, dict]) -> list[str]:
         f"{'deployment':<15}{'rollout':>9}{'to train':>9}{'train':>9}{'step':>9}"
         f"{'chain':>9}{'train*':>9}",
     ]
+    keys = ("rollout_s", "until_training_s", "train_s", "step_s", "chain_s", "train_bound_s")
     for kind, t in latencies.items():
         if not t:
             continue
+        # a run without drawn batches has no bound: its terms show as "-", not as 0 s
         lines.append(
-            f"{kind:<15}{t['rollout_s']:>9.1f}{t['until_training_s']:>9.1f}{t['train_s']:>9.1f}"
-            f"{t['step_s']:>9.1f}{t.get('chain_s', 0.0):>9.1f}{t.get('train_bound_s', 0.0):>9.1f}"
+            f"{kind:<15}" + "".join(f"{t[k]:>9.1f}" if k in t else f"{'-':>9}" for k in keys)
         )
     return lines
 
