@@ -73,7 +73,7 @@ from pivot.actors.vocabulary import SHIFT_TOPIC
 from pivot.bounds import Bound, operating_points, workload_bound
 from pivot.bus import Actor, Bus, Clock, run_virtual
 from pivot.bus.supervisor import SupervisorEscalation
-from pivot.cluster import INFERENCE_ROLES, Role, RoleSpec
+from pivot.cluster import INFERENCE_ROLES, Role, RoleSpec, replica_role
 from pivot.config import ConfigStruct
 from pivot.deployment import (
     BASELINES,
@@ -246,6 +246,32 @@ class RunResult(msgspec.Struct, kw_only=True):
             out["train_bound_s"] = round(self.bound.train_s, 3)
         return out
 
+    def helpers(self) -> dict[str, dict[str, float]]:
+        """The gradient helpers of the measured steps' training, per inference role: how
+        many joined a step (``joins``, a replica that joined twice counted twice) and how many
+        devices they added to it on average over its training (``devices``: the
+        device-seconds they trained over the steps' training seconds), means over the
+        measured steps; empty for a run whose steps took none."""
+        measured = {s.step + 1 for s in self.steps if not s.warmup}  # step k makes version k+1
+        trains = [t for t in self.trains if t.version in measured]
+        train_s = sum(t.end - t.start for t in trains)
+        joins: dict[str, int] = {}
+        device_s: dict[str, float] = {}
+        for t in trains:
+            for h in t.helpers:
+                role = replica_role(h.replica).value
+                joins[role] = joins.get(role, 0) + 1
+                trained = len(h.devices) * max(h.reduced_at - h.ready_at, 0.0)
+                device_s[role] = device_s.get(role, 0.0) + trained
+        return {
+            role: {
+                "joins": round(joins[role] / len(trains), 3),
+                "devices": round(device_s[role] / train_s, 3) if train_s > 0 else 0.0,
+            }
+            for role in (r.value for r in INFERENCE_ROLES)
+            if role in joins
+        }
+
     def account_seconds(self) -> dict[str, float]:
         """Device-seconds per time-account category (summing to devices x window)."""
         if self.account is None:
@@ -277,6 +303,7 @@ class RunResult(msgspec.Struct, kw_only=True):
             "bound": self.bound_fractions(),
             "account": self.account_seconds(),
             "latency": self.latency(),
+            "helpers": self.helpers(),
             # the bounds' and the account's window: from the first measured step's start
             "bound_window_s": round(self.account.window_s, 3) if self.account else None,
         }

@@ -434,6 +434,7 @@ def _comparison_report(comparison: Any, args: argparse.Namespace) -> dict[str, A
         "bound": {kind: run.bound_fractions() for kind, run in used.items()},
         "account": {kind: run.account_seconds() for kind, run in used.items()},
         "latency": {kind: run.latency() for kind, run in used.items()},
+        "helpers": {kind: run.helpers() for kind, run in used.items()},
         # the batch from which decoding counts as busy (the same batches: the same for all)
         "busy_from_batch": next(
             (dict(r.account.thresholds) for r in used.values() if r.account is not None), {}
@@ -520,6 +521,7 @@ def _format(report: dict[str, Any], plots: list[Path]) -> str:
                 lines.append(f"  (PivotRL at Table 4's trainer pool, not swept: {parts})")
         lines.extend(_bounds_table(report.get("bound") or {}, report.get("account") or {}))
         lines.extend(_latency_table(report.get("latency") or {}))
+        lines.extend(_helper_lines(report.get("helpers") or {}))
         busy_from = report.get("busy_from_batch") or {}
         if busy_from:
             from pivot.bounds import NEAR_EFFICIENT
@@ -591,6 +593,21 @@ def _latency_table(latencies: dict[str, dict]) -> list[str]:
         lines.append(
             f"{kind:<15}" + "".join(f"{t[k]:>9.1f}" if k in t else f"{'-':>9}" for k in keys)
         )
+    return lines
+
+
+def _helper_lines(helpers: dict[str, dict]) -> list[str]:
+    """Each deployment's gradient helpers per measured step (``RunResult.helpers``)."""
+    lines = []
+    for kind, roles in helpers.items():
+        if roles:
+            parts = "; ".join(
+                f"{role} {h['joins']:.1f} joined, {h['devices']:.1f} devices"
+                for role, h in roles.items()
+            )
+            lines.append(
+                f"{kind} gradient helpers per step (devices: added over its training): {parts}"
+            )
     return lines
 
 

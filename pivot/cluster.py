@@ -49,6 +49,11 @@ def replica_id(role: Role, devices: tuple[int, ...]) -> str:
     return f"{role.value}@{devices[0]}"
 
 
+def replica_role(replica: str) -> Role:
+    """The role ``replica_id`` named the replica by."""
+    return Role(replica.partition("@")[0])
+
+
 class Pool(StrEnum):
     SHARED = "shared"
     TRAINER = "trainer"  # lent to inference while the trainer waits, reclaimed whole when ready

@@ -105,6 +105,10 @@ def test_json_comparison_is_the_same_bytes_for_the_same_seed(tmp_path, capsys):
         assert t["until_training_s"] + t["train_s"] == pytest.approx(t["step_s"], abs=2e-3)
         assert t["train_s"] >= t["train_bound_s"] > 0
         assert t["step_s"] >= t["chain_s"] + t["train_bound_s"] > t["chain_s"] > 0
+        # gradient helpers join only PivotRL's steps: a baseline runs no planner
+        assert run["helpers"] == report["helpers"][kind]
+        if kind != "pivot":
+            assert run["helpers"] == {}
     # the threshold of "busy": 2 sequences, where ITL = max(10 ms, 5 ms x running) stops rising
     assert report["busy_from_batch"] == {"rollout": 2, "reward": 2}
 

@@ -744,3 +744,50 @@ def test_the_trainer_pool_is_reclaimed_before_its_batch_is_scored(tmp_path):
 
     assert early_reclaims() >= 1
     assert early_reclaims(early_reclaim=False) == 0
+
+
+def test_a_runs_gradient_helpers_per_measured_step_by_hand():
+    from pivot.actors import simulation
+    from pivot.timeline import HelperSpan, TrainSpan
+
+    def step(k, warmup=False):
+        return simulation.StepRecord(
+            step=k, started_s=0.0, seconds=1.0, rollout_s=0.0, train_s=1.0, samples=1,
+            tokens=1, warmup=warmup,
+        )  # fmt: skip
+
+    trains = [
+        # the warm-up step's (version 1) is left out
+        TrainSpan(start=0.0, end=10.0, version=1, helpers=(HelperSpan("reward@4", (4, 5), 0, 1, 9, 9),)),
+        # 10 s: a rollout replica of 1 device trains 6 s, a reward one of 2 devices 4 s
+        TrainSpan(
+            start=10.0, end=20.0, version=2,
+            helpers=(
+                HelperSpan("rollout@0", (0,), 10.0, 12.0, 18.0, 19.0),
+                HelperSpan("reward@4", (4, 5), 10.0, 11.0, 15.0, 17.0),
+            ),
+        ),
+        # 30 s: the reward replica joins twice (recalled between), 2 x 5 s on 2 devices
+        TrainSpan(
+            start=20.0, end=50.0, version=3,
+            helpers=(
+                HelperSpan("reward@4", (4, 5), 20.0, 21.0, 26.0, 28.0),
+                HelperSpan("reward@4", (4, 5), 30.0, 31.0, 36.0, 40.0),
+            ),
+        ),
+    ]  # fmt: skip
+    run = simulation.RunResult(
+        deployment=DeploymentKind.PIVOT, split=Split(kind=DeploymentKind.PIVOT, gpus=8, shared=4, training=4),
+        label="split", steps=[step(0, warmup=True), step(1), step(2)], seconds=1.0, samples=2,
+        tokens=2, samples_per_s=1.0, tokens_per_s=1.0, shifts_per_step=0.0,
+        migration=simulation.MigrationCost(), trains=trains,
+    )  # fmt: skip
+    # over 40 s of training: rollout 6 device-s, reward 8 + 20 device-s; joins per step
+    assert run.helpers() == {
+        "rollout": {"joins": 0.5, "devices": pytest.approx(6 / 40)},
+        "reward": {"joins": 1.5, "devices": pytest.approx(28 / 40)},
+    }
+    assert list(run.helpers()) == ["rollout", "reward"]
+    assert run.summary()["helpers"] == run.helpers()
+    # a run whose measured steps took no helper (a baseline's) reports none
+    assert msgspec.structs.replace(run, trains=trains[:1]).helpers() == {}
