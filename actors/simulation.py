@@ -248,10 +248,9 @@ class RunResult(msgspec.Struct, kw_only=True):
 
     def helpers(self) -> dict[str, dict[str, float]]:
         """The gradient helpers of the measured steps' training, per inference role: how
-        many joined a step (``joins``, a replica that joined twice counted twice) and how many
-        devices they added to it on average over its training (``devices``: the
-        device-seconds they trained over the steps' training seconds), means over the
-        measured steps; empty for a run whose steps took none."""
+        many joined a step (``joins``) and how many devices they added to it on average over
+        its training (``devices``: the device-seconds they trained over the steps' training
+        seconds), means over the measured steps; empty for a run whose steps took none."""
         measured = {s.step + 1 for s in self.steps if not s.warmup}  # step k makes version k+1
         trains = [t for t in self.trains if t.version in measured]
         train_s = sum(t.end - t.start for t in trains)

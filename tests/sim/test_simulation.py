@@ -767,12 +767,12 @@ def test_a_runs_gradient_helpers_per_measured_step_by_hand():
                 HelperSpan("reward@4", (4, 5), 10.0, 11.0, 15.0, 17.0),
             ),
         ),
-        # 30 s: the reward replica joins twice (recalled between), 2 x 5 s on 2 devices
+        # 30 s: two reward replicas of 2 devices, 5 s each
         TrainSpan(
             start=20.0, end=50.0, version=3,
             helpers=(
                 HelperSpan("reward@4", (4, 5), 20.0, 21.0, 26.0, 28.0),
-                HelperSpan("reward@4", (4, 5), 30.0, 31.0, 36.0, 40.0),
+                HelperSpan("reward@6", (6, 7), 30.0, 31.0, 36.0, 40.0),
             ),
         ),
     ]  # fmt: skip
