@@ -909,8 +909,8 @@ class SplitRuns:
     the ``SplitRuns`` it shares ``flight`` with (one deployment's routing rules share one
     pool: a run submitted beyond its workers would wait there and run once the climb may no
     longer need it): waiting for one, ``result`` keeps the free workers busy with the split
-    asked for and then with what ``ahead`` says will be asked for next (a climb's
-    look-ahead). A run is deterministic (its own virtual clock and seeds), so its result is
+    asked for, then with what ``fill`` starts (another configuration's run) and then with
+    what ``ahead`` says will be asked for next (a climb's look-ahead). A run is deterministic (its own virtual clock and seeds), so its result is
     the same wherever it ran; only ``wall_s`` differs."""
 
     def __init__(
@@ -953,8 +953,10 @@ class SplitRuns:
         split: Split,
         label: str = "sweep",
         ahead: Callable[[], Sequence[Split]] | None = None,
+        fill: Callable[[], object] | None = None,
     ) -> RunResult:
-        """``split``'s run: done before, waited for, or run now."""
+        """``split``'s run: done before, waited for, or run now. While it waits, ``fill``
+        (after the split asked for) may start others' runs on the workers still free."""
         if self.pool is None:
             if split not in self.done:
                 self.done[split] = _run_split(
@@ -963,6 +965,8 @@ class SplitRuns:
             return self.done[split]
         while split not in self.done:
             self.start(split, label)
+            if fill is not None:
+                fill()
             for other in ahead() if ahead is not None else ():
                 if not self.start(other):
                     break
@@ -1246,10 +1250,17 @@ def _deployment_runs(
         # one configuration: the climb's first candidates need not wait for Table 4's run
         grid = sweep_splits(kind, gpus, workload.replica_sizes())
         ahead = functools.partial(climb_ahead, grid, kind_runs.done, neighbours(split, grid), jobs)
+
+    def fill() -> None:
+        # the other configurations' runs take a worker as soon as one is free, not once the
+        # results before theirs are read
+        for other in by_config.values():
+            other.start(split, label)
+
     table4: RunResult | None = None
     tried: dict[str, float] = {}
     for name, config_runs in by_config.items():
-        run = config_runs.result(split, label, ahead=ahead)
+        run = config_runs.result(split, label, ahead=ahead, fill=fill)
         tried[name] = round(run.samples_per_s, 6)
         if table4 is None or run.samples_per_s > table4.samples_per_s:
             table4, kind_runs, chosen[kind.value] = run, config_runs, config_runs.settings

@@ -572,6 +572,59 @@ def test_a_deployments_routing_rules_share_its_workers():
     ]
 
 
+def test_a_worker_freed_while_a_result_is_awaited_takes_another_configurations_run():
+    # three configurations at one split on two workers: the first's run ends only once the
+    # third's has started, which it can only do on the worker the second's run frees while
+    # the first's result is still awaited (read in order, it would wait for the first)
+    import threading
+    from concurrent.futures import Executor, ThreadPoolExecutor
+
+    from pivot.actors.simulation import SplitRuns
+
+    first_may_end, second_may_end = threading.Event(), threading.Event()
+
+    def stand_in(router: str) -> str:
+        if router == "second":
+            second_may_end.wait(10)
+        if router == "first":
+            return "ran" if first_may_end.wait(10) else "starved"
+        if router == "third":
+            first_may_end.set()
+        return "ran"
+
+    class Threads(Executor):
+        def __init__(self) -> None:
+            self.threads = ThreadPoolExecutor(2)
+            self.taken: list[str] = []
+
+        def submit(self, fn, *args, **kwargs):
+            self.taken.append(args[2].router)
+            return self.threads.submit(stand_in, args[2].router)
+
+    pool, flight = Threads(), set()
+    runs = [
+        SplitRuns(None, SimulationSettings(router=r), pool=pool, jobs=2, flight=flight)
+        for r in ("first", "second", "third")
+    ]
+    split = Split(kind=DeploymentKind.PIVOT, gpus=8, shared=6, training=2)
+    try:
+        for r in runs:
+            r.start(split, "table4")
+        assert pool.taken == ["first", "second"]  # two workers
+        second_may_end.set()
+
+        def fill() -> None:
+            for r in runs:
+                r.start(split, "table4")
+
+        assert runs[0].result(split, "table4", fill=fill) == "ran"
+        assert pool.taken == ["first", "second", "third"]
+    finally:
+        first_may_end.set()
+        second_may_end.set()
+        pool.threads.shutdown()
+
+
 def test_pivot_is_tried_with_its_split_shifted_and_held_a_baseline_with_its_rules(tmp_path):
     from pivot.actors.simulation import configurations, pivot_settings
 
