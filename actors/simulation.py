@@ -910,8 +910,9 @@ class SplitRuns:
     pool: a run submitted beyond its workers would wait there and run once the climb may no
     longer need it): waiting for one, ``result`` keeps the free workers busy with the split
     asked for, then with what ``fill`` starts (another configuration's run) and then with
-    what ``ahead`` says will be asked for next (a climb's look-ahead). A run is deterministic (its own virtual clock and seeds), so its result is
-    the same wherever it ran; only ``wall_s`` differs."""
+    what ``ahead`` says will be asked for next (a climb's look-ahead). A run is deterministic
+    (its own virtual clock and seeds), so its result is the same wherever it ran; only
+    ``wall_s`` differs."""
 
     def __init__(
         self,
