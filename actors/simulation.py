@@ -271,6 +271,14 @@ class RunResult(msgspec.Struct, kw_only=True):
             if role in joins
         }
 
+    def simulated_only(self) -> list[str]:
+        """What this run's figures owe to a mechanism only the simulated backend has, by the
+        name of the planner setting that turns it off: ``gradient_helpers`` where a measured
+        step took helpers (the DeepSpeed trainer takes none: ``DeepSpeedBackend.takes_helpers``;
+        in the trainer-bound 32B and 72B groups PivotRL's whole lead over the baselines is
+        theirs, ``--ablation no-gradient-helpers``)."""
+        return ["gradient_helpers"] if self.helpers() else []
+
     def account_seconds(self) -> dict[str, float]:
         """Device-seconds per time-account category (summing to devices x window)."""
         if self.account is None:

@@ -435,6 +435,9 @@ def _comparison_report(comparison: Any, args: argparse.Namespace) -> dict[str, A
         "account": {kind: run.account_seconds() for kind, run in used.items()},
         "latency": {kind: run.latency() for kind, run in used.items()},
         "helpers": {kind: run.helpers() for kind, run in used.items()},
+        "simulated_only": {
+            kind: names for kind, run in used.items() if (names := run.simulated_only())
+        },
         # the batch from which decoding counts as busy (the same batches: the same for all)
         "busy_from_batch": next(
             (dict(r.account.thresholds) for r in used.values() if r.account is not None), {}
@@ -522,6 +525,7 @@ def _format(report: dict[str, Any], plots: list[Path]) -> str:
         lines.extend(_bounds_table(report.get("bound") or {}, report.get("account") or {}))
         lines.extend(_latency_table(report.get("latency") or {}))
         lines.extend(_helper_lines(report.get("helpers") or {}))
+        lines.extend(_simulated_only_lines(report.get("simulated_only") or {}))
         busy_from = report.get("busy_from_batch") or {}
         if busy_from:
             from pivot.bounds import NEAR_EFFICIENT
@@ -609,6 +613,18 @@ def _helper_lines(helpers: dict[str, dict]) -> list[str]:
                 f"{kind} gradient helpers per step (devices: added over its training): {parts}"
             )
     return lines
+
+
+def _simulated_only_lines(simulated_only: dict[str, list[str]]) -> list[str]:
+    """What a deployment's figures owe to the simulated backend alone (``simulated_only``:
+    gradient helpers, the one such mechanism today)."""
+    return [
+        f"  {kind}'s figures include its gradient helpers, which only the simulated trainer "
+        "takes (the DeepSpeed trainer takes none yet): --ablation no-gradient-helpers runs it "
+        "without them"
+        for kind, names in simulated_only.items()
+        if "gradient_helpers" in names
+    ]
 
 
 # --- run directory ----------------------------------------------------------------------------

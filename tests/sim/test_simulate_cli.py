@@ -109,6 +109,9 @@ def test_json_comparison_is_the_same_bytes_for_the_same_seed(tmp_path, capsys):
         assert run["helpers"] == report["helpers"][kind]
         if kind != "pivot":
             assert run["helpers"] == {}
+        # a deployment whose steps took helpers says its figures owe them to the simulator
+        owed = ["gradient_helpers"] if run["helpers"] else None
+        assert report["simulated_only"].get(kind) == owed
     # the threshold of "busy": 2 sequences, where ITL = max(10 ms, 5 ms x running) stops rising
     assert report["busy_from_batch"] == {"rollout": 2, "reward": 2}
 

@@ -843,4 +843,13 @@ def test_a_runs_gradient_helpers_per_measured_step_by_hand():
     assert list(run.helpers()) == ["rollout", "reward"]
     assert run.summary()["helpers"] == run.helpers()
     # a run whose measured steps took no helper (a baseline's) reports none
-    assert msgspec.structs.replace(run, trains=trains[:1]).helpers() == {}
+    alone = msgspec.structs.replace(run, trains=trains[:1])
+    assert alone.helpers() == {}
+    # only the simulated trainer takes helpers: a run that had them says so, in the report too
+    assert run.simulated_only() == ["gradient_helpers"] and alone.simulated_only() == []
+    from pivot.cli.simulate import _simulated_only_lines
+
+    (line,) = _simulated_only_lines({"pivot": run.simulated_only()})
+    assert line.strip().startswith("pivot's figures include its gradient helpers")
+    assert "--ablation no-gradient-helpers" in line
+    assert _simulated_only_lines({}) == []
