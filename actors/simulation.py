@@ -147,6 +147,12 @@ class SimulationSettings(ConfigStruct, kw_only=True):
     # seed 0: 20.97 -> 20.55 samples/s), as a static reward pool has no devices to spare
     protect_oldest: bool = True
     check: Literal["shift", "tick"] = "shift"  # when invariants are checked besides step ends
+    # a run fails (SimulationError) once this long passes in virtual time with no step ended:
+    # a deployment that stopped making progress would tick on forever and hold up a whole
+    # comparison (PivotRL at shared0/pool128 did, before pivot.planning.planner._strands and
+    # its revival of a role with work and no replica); 10 h, against ~0.6 h for the slowest
+    # step of the default sweeps (32B, disaggregated RO4/RM44/TR80)
+    stall_s: float = 36_000.0
     journal_fsync: bool = False  # a simulation's host does not crash; records are still written
     # fault injection: the Controller dies right before writing its n-th journal record, and a
     # new one (same journal) starts after ``restart_after_s``
@@ -628,6 +634,7 @@ def simulated_cluster(
         faults=faults,
         check=settings.check,
         watchers=[("observer", observer)],
+        stall_s=settings.stall_s,
     )
     return SimulatedCluster(cluster, backend, observers)
 

@@ -310,7 +310,8 @@ class LocalCluster:
     ``pivot.bus.run_virtual``), checked as it runs: at every step end and whenever the
     allocation changed (``check="tick"``: at every Controller tick), and once more at the end.
     ``control.journal`` is opened afresh at each Controller (re)start; a ``FaultPlan``'s crash
-    replaces the first one."""
+    replaces the first one. With ``stall_s``, ``run`` fails (``InvariantViolation``) once that
+    long passes on ``clock`` with no step ended."""
 
     def __init__(
         self,
@@ -326,11 +327,14 @@ class LocalCluster:
         check: Literal["shift", "tick"] = "shift",
         watchers: Sequence[tuple[str, ActorFactory]] = (),
         messages: Sequence[type] | None = None,
+        stall_s: float | None = None,
     ) -> None:
         from pivot.actors.vocabulary import rl_messages
 
         self.clock = clock
         self.deployment = deployment
+        self.stall_s = stall_s
+        self.steps_ended = 0
         self.transport = FaultyTransport(faults.messages if faults is not None else ())
         self.bus = Bus.local(
             list(messages) if messages is not None else rl_messages(),
@@ -352,6 +356,7 @@ class LocalCluster:
         user_step = driver.on_step
 
         def on_step(report: StepReport) -> None:
+            self.steps_ended += 1
             if user_step is not None:
                 user_step(report)
             self.check()
@@ -427,6 +432,19 @@ class LocalCluster:
             )
         return dataclasses.replace(control, journal=journal, wrap_policy=wrap, restart=restart)
 
+    async def _watch_progress(self, stall_s: float) -> None:
+        """Raise once ``stall_s`` (clock) seconds pass with no step ended: a deployment that
+        stopped making progress (every replica gone, a batch no replica can finish) would
+        otherwise run on, its Controller ticking, forever."""
+        seen = -1
+        while seen != self.steps_ended:
+            seen = self.steps_ended
+            await self.clock.sleep(stall_s)
+        raise InvariantViolation(
+            f"no step ended in {stall_s:g} s ({seen} ended before): the deployment makes no "
+            "progress"
+        )
+
     def _crash(self, crash: ActorCrash) -> None:
         actor = self.assembly.actor(crash.actor)  # the instance running now
         if actor is None:
@@ -456,12 +474,20 @@ class LocalCluster:
                 self.clock.call_later(crash.at_s - self.clock.now(), self._crash, crash)
             finished = asyncio.ensure_future(driver.finished.wait())
             failed = asyncio.ensure_future(sup.wait())
-            await asyncio.wait({finished, failed}, return_when=asyncio.FIRST_COMPLETED)
+            watched = {finished, failed}
+            if self.stall_s is not None:
+                watched.add(asyncio.ensure_future(self._watch_progress(self.stall_s)))
+            await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+            for waiting in watched - {finished}:
+                waiting.cancel()
             if not finished.done():
                 finished.cancel()
-                failed.result()  # raises the escalation: an actor crashed
+                if failed.done() and not failed.cancelled():
+                    failed.result()  # raises the escalation: an actor crashed
+                for stalled in watched - {finished, failed}:
+                    if stalled.done() and not stalled.cancelled():
+                        stalled.result()  # raises: no step ended for stall_s
                 raise InvariantViolation("every actor stopped before the Driver's last step")
-            failed.cancel()
             self.check()
             if at_end is not None:
                 at_end()

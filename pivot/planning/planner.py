@@ -23,7 +23,8 @@ and would pack the long responses onto a few crowded replicas, so no plan takes 
 below the replicas at which its mean load decodes within ``floor_itl_slack`` of one
 sequence alone. Training moves as a whole and
 ahead of everything else: a waiting trainer lends its pool, a ready one takes it all back, and
-so does a waiting one whose batch is forecast ready within the time the reclaim takes.
+so does a waiting one whose batch is forecast ready within the time the reclaim takes,
+unless that would leave work in flight with no replica to run it (``_strands``).
 With ``moves.learn`` the Planner also times steps with its moves and with the split held
 (``pivot.planning.moves``) and stops moving where moving does not pay; held, a role with work
 and no replica still takes one (``shift_roles`` off).
@@ -330,10 +331,21 @@ def plan_shift(
         return done(None, f"nowhere to grow {names}", **extra)
     best = max(range(len(scores)), key=lambda i: (scores[i].score, -scores[i].wakes))
     top = scores[best]
+    revived = ""
     if not top.score > settings.min_gain:
-        return done(
-            None, f"best L = {top.score:.3g} tokens does not beat {settings.min_gain}", **extra
-        )
+        # a role with work and no replica at all drains nothing, so the objective is 0 before
+        # and after any plan that grows only the other one: with both starved (every replica
+        # gone, the whole cluster lent to inference again) no plan would ever score, and the
+        # job would hang; the cheapest plan that gives a starved role a replica goes ahead (of
+        # those as cheap, the one that wakes fewest: once both roles drain, L ranks plans again)
+        starved = {r for r in INFERENCE_ROLES if loads[r].demand and baseline[r] <= 0.0}
+        reviving = [i for i, (receiver, _) in enumerate(plans) if receiver in starved]
+        if not reviving:
+            return done(
+                None, f"best L = {top.score:.3g} tokens does not beat {settings.min_gain}", **extra
+            )
+        best = max(reviving, key=lambda i: (scores[i].score, -scores[i].wakes))
+        top, revived = scores[best], " for a role with work and no replica"
     receiver, chosen = plans[best]
     grown = outcomes[receiver]
     moved = (grown.routed[best], grown.running[best]) if rebalanced[best] else None
@@ -341,6 +353,7 @@ def plan_shift(
     reason = (
         f"{receiver.value} +{top.wakes} (evicting {top.victims}): "
         f"dT = {top.delta_throughput:.4g} tok/s, Phi = {top.phi:.4g}, L = {top.score:.4g}"
+        f"{revived}"
     )
     return done(shift, reason, **extra)
 
@@ -357,7 +370,7 @@ def _trainer_plan(
     if not spec.trainer_pool:
         return None
     held = by_role[Role.TRAINING]
-    soon = _ready_soon(snapshot, settings)
+    soon = _ready_soon(snapshot, settings) and not _strands(spec, snapshot, settings)
     if (snapshot.trainer is TrainerPhase.READY or soon) and not held:
         pool = set(spec.trainer_pool)
         victims = [
@@ -406,6 +419,33 @@ def _ready_soon(snapshot: ClusterSnapshot, settings: PlannerSettings) -> bool:
         and snapshot.trainer_reclaim_s > 0
         and ready_in <= snapshot.trainer_reclaim_s
     )
+
+
+def _strands(spec: ClusterSpec, snapshot: ClusterSnapshot, settings: PlannerSettings) -> bool:
+    """Whether reclaiming the pool now would leave work in flight that no replica can run: a
+    role with sequences queued or running (and reward while rollout has any: its judgments
+    are still to come) that has no replica off the pool, nor (where the planner shifts roles)
+    a slot off the pool to wake one in. An early reclaim holds the pool until its batch
+    trains (the Controller reads the trainer as ready), so a batch stranded by it never
+    trains: with every inference device in the pool (``shared0/pool128``) the job hung."""
+    replicas = snapshot.replicas
+
+    def busy(role: Role, queued: int) -> bool:
+        return queued > 0 or any(r.running for r in replicas if r.role is role)
+
+    needs = set()
+    if busy(Role.ROLLOUT, snapshot.rollout_queue.length):
+        needs = {Role.ROLLOUT, Role.REWARD}
+    elif busy(Role.REWARD, snapshot.reward_queue.length):
+        needs = {Role.REWARD}
+    pool = spec.is_trainer_pool
+    for role in needs:
+        if any(r.role is role and not pool[list(r.devices)].any() for r in replicas):
+            continue
+        if settings.shift_roles and (~pool[spec.slots(role)].any(axis=1)).any():
+            continue
+        return True
+    return False
 
 
 def _device_owners(spec: ClusterSpec, snapshot: ClusterSnapshot) -> np.ndarray:

@@ -16,8 +16,10 @@ import pytest
 from toy import ITL, toy_workload
 
 from pivot.actors.simulation import (
+    SimulationError,
     SimulationSettings,
     compare,
+    pivot_settings,
     simulate,
     simulated_cluster,
 )
@@ -671,11 +673,23 @@ def test_a_sweep_in_worker_processes_climbs_as_one_in_process(tmp_path):
 
 
 def test_pivot_runs_with_every_device_in_its_trainer_pool(tmp_path):
-    # the sweep's top end: no shared device; the pool is lent whenever the trainer waits
+    # the sweep's top end: no shared device; the pool is lent whenever the trainer waits. Past
+    # the first step every lend starts with no replica of either role (they hung there: no
+    # plan scored, and an early reclaim stranded a batch no replica was left to finish)
     workload = _busy_toy(tmp_path)
-    result = simulate(workload, _pivot(workload, 8, 8), SimulationSettings(steps=1))
-    assert result.samples == 16
-    assert {"lend_trainer", "reclaim_trainer"} <= {m.kind for m in result.marks}
+    settings = SimulationSettings(steps=3, warmup=0)
+    for way in (settings, pivot_settings(settings, shift_roles=False)):
+        result = simulate(workload, _pivot(workload, 8, 8), way)
+        assert result.samples == 48
+        assert {"lend_trainer", "reclaim_trainer"} <= {m.kind for m in result.marks}
+
+
+def test_a_run_that_ends_no_step_for_stall_s_fails_naming_it(tmp_path):
+    workload = _busy_toy(tmp_path)
+    stalls = SimulationSettings(steps=1, warmup=0, stall_s=1.0)  # a toy step takes longer
+    with pytest.raises(SimulationError, match=r"no step ended in 1 s \(0 ended before\)"):
+        simulate(workload, _pivot(workload, 8, 4), stalls)
+    assert simulate(workload, _pivot(workload, 8, 4), SimulationSettings(steps=1)).samples == 16
 
 
 def test_pivot_protects_the_oldest_judgments_where_a_judgments_prefill_is_slow(tmp_path):

@@ -102,3 +102,49 @@ def test_a_pool_the_trainer_holds_is_lent_only_beyond_the_reclaim_time():
         assert plan is None or all(set(m.devices).isdisjoint(SPEC.trainer_pool) for m in plan.wakes)
     plan = held(5.0, early_reclaim=False)
     assert plan is not None and plan.kind == "lend_trainer"
+
+
+def test_no_early_reclaim_strands_the_batch_where_every_inference_device_is_in_the_pool():
+    # the whole cluster is the trainer pool (shared0/pool128): reclaimed early, the pool would
+    # stay the trainer's until a batch trains that no replica is left to finish
+    spec = cluster(trainer_hosts=4)
+    reps = [replica("ro0", Role.ROLLOUT, (0,), running=5), replica("rm", Role.REWARD, range(4, 8))]
+    snap = forecast(snapshot(*reps, trainer=TrainerPhase.WAITING), ready_in=8.0)
+    d = plan_shift(spec, snap, MODELS, settings=PlannerSettings(), last_action_at=snap.now - 1.0)
+    assert d.plan is None or d.plan.kind != "reclaim_trainer", d.reason
+    # once the batch is ready the pool comes back, work in flight or not
+    ready = msgspec.structs.replace(snap, trainer=TrainerPhase.READY)
+    d = plan_shift(spec, ready, MODELS, settings=PlannerSettings(), last_action_at=snap.now - 1.0)
+    assert d.plan is not None and d.plan.kind == "reclaim_trainer", d.reason
+    # held roles wake no replica off the pool: the rollout replicas, all on it, would strand
+    # the batch there even with free devices off the pool (shifting roles, one wakes there)
+    d = decide(lent(ready_in=8.0), shift_roles=False)
+    assert d.plan is None or d.plan.kind != "reclaim_trainer", d.reason
+
+
+def test_with_every_replica_gone_a_role_with_work_gets_replicas_though_no_plan_scores():
+    # the whole cluster lent to inference again after training: no replica of either role,
+    # both with work. Growing one role alone drains nothing (the other has no throughput),
+    # so every plan's L is 0; it goes ahead anyway, shifted or held, and the other follows
+    spec = cluster(trainer_hosts=4)
+    empty = snapshot(rollout_queue=(64, 64 * 300), reward_queue=(8, 8 * 2000), now=100.0)
+    for settings in (PlannerSettings(), PlannerSettings(shift_roles=False)):
+        d = plan_shift(spec, empty, MODELS, settings=settings, last_action_at=0.0)
+        assert d.plan is not None and d.plan.kind == "shift", d.reason
+        assert "a role with work and no replica" in d.reason
+        first = d.plan.receiver
+        woken = [m for m in d.plan.wakes if m.role is first]
+        assert woken and not d.plan.evictions
+        assert len(woken) == 1  # the least it can commit: L ranks plans again once both drain
+        grown = snapshot(
+            *(replica(m.replica_id, first, m.devices) for m in woken),
+            rollout_queue=(64, 64 * 300),
+            reward_queue=(8, 8 * 2000),
+            now=200.0,
+        )
+        d = plan_shift(spec, grown, MODELS, settings=settings, last_action_at=0.0)
+        assert d.plan is not None and d.plan.receiver is not first, d.reason
+    # a role with no replica and no work is no reason to wake one
+    idle = snapshot(rollout_queue=(64, 64 * 300), now=100.0)
+    d = plan_shift(spec, idle, MODELS, settings=PlannerSettings(), last_action_at=0.0)
+    assert d.plan is None or "no replica" not in d.reason
