@@ -1258,21 +1258,20 @@ def _deployment_runs(
         )
         for name, config in configs.items()
     }
-    for config_runs in by_config.values():
-        config_runs.start(split, label)
+
+    def fill() -> None:
+        # every configuration's run takes a worker as soon as one is free, not once the
+        # results before its own are read
+        for config_runs in by_config.values():
+            config_runs.start(split, label)
+
+    fill()
     kind_runs = next(iter(by_config.values()))
     ahead = None
     if swept and len(configs) == 1:
         # one configuration: the climb's first candidates need not wait for Table 4's run
         grid = sweep_splits(kind, gpus, workload.replica_sizes())
         ahead = functools.partial(climb_ahead, grid, kind_runs.done, neighbours(split, grid), jobs)
-
-    def fill() -> None:
-        # the other configurations' runs take a worker as soon as one is free, not once the
-        # results before theirs are read
-        for other in by_config.values():
-            other.start(split, label)
-
     table4: RunResult | None = None
     tried: dict[str, float] = {}
     for name, config_runs in by_config.items():

@@ -474,19 +474,18 @@ class LocalCluster:
                 self.clock.call_later(crash.at_s - self.clock.now(), self._crash, crash)
             finished = asyncio.ensure_future(driver.finished.wait())
             failed = asyncio.ensure_future(sup.wait())
-            watched = {finished, failed}
+            stalled = None
             if self.stall_s is not None:
-                watched.add(asyncio.ensure_future(self._watch_progress(self.stall_s)))
+                stalled = asyncio.ensure_future(self._watch_progress(self.stall_s))
+            watched = [f for f in (finished, failed, stalled) if f is not None]
             await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
-            for waiting in watched - {finished}:
-                waiting.cancel()
+            for waiting in watched[1:]:
+                waiting.cancel()  # (a task that ended stays done: its outcome is read below)
             if not finished.done():
                 finished.cancel()
-                if failed.done() and not failed.cancelled():
-                    failed.result()  # raises the escalation: an actor crashed
-                for stalled in watched - {finished, failed}:
-                    if stalled.done() and not stalled.cancelled():
-                        stalled.result()  # raises: no step ended for stall_s
+                for ended in watched[1:]:
+                    if ended.done():
+                        ended.result()  # raises the escalation (an actor crashed) or the stall
                 raise InvariantViolation("every actor stopped before the Driver's last step")
             self.check()
             if at_end is not None:

@@ -329,22 +329,26 @@ def plan_shift(
     if not scores:
         names = " or ".join(r.value for r in receivers)
         return done(None, f"nowhere to grow {names}", **extra)
-    best = max(range(len(scores)), key=lambda i: (scores[i].score, -scores[i].wakes))
+
+    def rank(i: int) -> tuple[float, int]:  # the highest L; of those, the fewest wakes
+        return scores[i].score, -scores[i].wakes
+
+    best = max(range(len(scores)), key=rank)
     top = scores[best]
     revived = ""
     if not top.score > settings.min_gain:
         # a role with work and no replica at all drains nothing, so the objective is 0 before
         # and after any plan that grows only the other one: with both starved (every replica
         # gone, the whole cluster lent to inference again) no plan would ever score, and the
-        # job would hang; the cheapest plan that gives a starved role a replica goes ahead (of
-        # those as cheap, the one that wakes fewest: once both roles drain, L ranks plans again)
+        # job would hang; the best-ranked plan that gives a starved role a replica goes ahead
+        # (once both roles drain, L ranks plans again)
         starved = {r for r in INFERENCE_ROLES if loads[r].demand and baseline[r] <= 0.0}
         reviving = [i for i, (receiver, _) in enumerate(plans) if receiver in starved]
         if not reviving:
             return done(
                 None, f"best L = {top.score:.3g} tokens does not beat {settings.min_gain}", **extra
             )
-        best = max(reviving, key=lambda i: (scores[i].score, -scores[i].wakes))
+        best = max(reviving, key=rank)
         top, revived = scores[best], " for a role with work and no replica"
     receiver, chosen = plans[best]
     grown = outcomes[receiver]
