@@ -3,8 +3,8 @@
 Actors read time and sleep only through a ``Clock``. ``RealClock`` is wall time on
 an ordinary event loop (uvloop when installed). ``VirtualClock`` owns a
 ``VirtualEventLoop``: an asyncio loop whose ``time()`` is a number it keeps, and
-whose selector, asked to wait ``t`` seconds for I/O, advances that number by ``t``
-instead of blocking. So whenever every task is idle, time jumps straight to the next
+which, where a real loop would block until the next timer, sets that number to the
+timer's time instead. So whenever every task is idle, time jumps straight to the next
 timer; a 10-minute scenario runs in milliseconds, in the same order on every run.
 
 Virtual time is only valid without real I/O: use it with the local transport, no
@@ -18,6 +18,10 @@ draw random numbers from ``clock.rng``.
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextvars
+import heapq
+import itertools
 import random
 import selectors
 import time
@@ -77,52 +81,89 @@ class VirtualDeadlock(RuntimeError):
     """Under virtual time, every task is waiting and no timer is pending."""
 
 
-class _VirtualTimeSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
-    """Polls real file descriptors without blocking (the loop's self-pipe is one);
-    a wait of ``t`` seconds becomes a jump of ``t`` virtual seconds."""
-
-    loop: VirtualEventLoop
-
-    def select(self, timeout: float | None = None) -> list[Any]:
-        if timeout == 0:
-            # callbacks are ready: the loop runs them without waiting, so the poll can wait
-            # for the next idle turn (a poll is a system call, and a simulation turns the loop
-            # hundreds of thousands of times); a thread's call_soon_threadsafe lands in the
-            # ready queue either way, the self-pipe only wakes a loop that blocks
-            return []
-        events = super().select(0)
-        if events:
-            return events
-        if timeout is None:
-            raise VirtualDeadlock(
-                "virtual clock: every task is waiting and no timer is pending, so nothing "
-                "can happen any more (a request without timeout to a dead actor? an event "
-                "nobody sets? real I/O under virtual time?)"
-            )
-        self.loop._advance(timeout)
-        return []
-
-
 class VirtualEventLoop(asyncio.SelectorEventLoop):
-    """An asyncio loop on virtual time (see the module docstring)."""
+    """An asyncio loop on virtual time (see the module docstring).
+
+    It keeps its timers itself, as ``(when, seq, handle)`` in asyncio's heap: timers due at
+    the same virtual instant run in the order they were set. asyncio's ``TimerHandle``
+    compares only ``when``, so the heap's layout, which any unrelated timer changes, would
+    decide that order, and with it a simulation's figures. Its turn (``_run_once``) is
+    asyncio's, less what a loop that never blocks does not need: a turn with nothing ready
+    polls the real file descriptors without waiting (the self-pipe that
+    ``call_soon_threadsafe`` writes is one) and, with nothing there, jumps to the next timer.
+    """
 
     def __init__(self, start: float = 0.0) -> None:
         self._virtual_now = float(start)
-        selector = _VirtualTimeSelector()
-        super().__init__(selector)
-        selector.loop = self
+        super().__init__(selectors.DefaultSelector())
         self._clock_resolution = 1e-9
+        self._timer_seq = itertools.count()
 
     def time(self) -> float:
         return self._virtual_now
 
-    def _advance(self, timeout: float) -> None:
-        target = self._virtual_now + timeout
-        scheduled = self._scheduled  # type: ignore[attr-defined]
-        # land exactly on the next timer rather than a rounding error away from it
-        if scheduled and abs(scheduled[0]._when - target) < 1e-6:
-            target = scheduled[0]._when
-        self._virtual_now = max(self._virtual_now, target)
+    def call_at(
+        self,
+        when: float,
+        callback: Callable[..., object],
+        *args: Any,
+        context: contextvars.Context | None = None,
+    ) -> asyncio.TimerHandle:
+        self._check_closed()  # type: ignore[attr-defined]
+        timer = asyncio.TimerHandle(when, callback, args, self, context)
+        heapq.heappush(self._scheduled, (when, next(self._timer_seq), timer))  # type: ignore[attr-defined]
+        timer._scheduled = True  # type: ignore[attr-defined]
+        return timer
+
+    def _run_once(self) -> None:
+        scheduled: list[tuple[float, int, asyncio.TimerHandle]] = self._scheduled  # type: ignore[has-type]
+        cancelled = self._timer_cancelled_count  # type: ignore[has-type]
+        if len(scheduled) > _MIN_TIMERS_TO_SWEEP and cancelled * 2 > len(scheduled):
+            # most timers are cancelled (each turn of a FastForward agent sets one and cancels
+            # it when woken early): rebuild the heap without them, as asyncio does
+            for _, _, timer in scheduled:
+                if timer._cancelled:  # type: ignore[attr-defined]
+                    timer._scheduled = False  # type: ignore[attr-defined]
+            scheduled = [e for e in scheduled if not e[2]._cancelled]  # type: ignore[attr-defined]
+            heapq.heapify(scheduled)
+            self._scheduled = scheduled
+            self._timer_cancelled_count = 0
+        else:
+            while scheduled and scheduled[0][2]._cancelled:  # type: ignore[attr-defined]
+                self._timer_cancelled_count -= 1
+                heapq.heappop(scheduled)[2]._scheduled = False  # type: ignore[attr-defined]
+        ready: collections.deque[asyncio.Handle] = self._ready  # type: ignore[attr-defined]
+        if not ready:
+            # a poll is a system call and a simulation turns the loop hundreds of thousands of
+            # times: only a turn with nothing ready polls (a thread's call_soon_threadsafe lands
+            # in the ready queue either way; the self-pipe only wakes a loop that blocks)
+            events = self._selector.select(0)  # type: ignore[attr-defined]
+            if events:
+                self._process_events(events)  # type: ignore[attr-defined]
+            elif self._stopping:  # type: ignore[attr-defined]
+                pass  # run_until_complete's stop: no jump past the result
+            elif scheduled:
+                self._virtual_now = max(self._virtual_now, scheduled[0][0])
+            else:
+                raise VirtualDeadlock(
+                    "virtual clock: every task is waiting and no timer is pending, so nothing "
+                    "can happen any more (a request without timeout to a dead actor? an event "
+                    "nobody sets? real I/O under virtual time?)"
+                )
+        end = self._virtual_now + self._clock_resolution
+        while scheduled and scheduled[0][0] < end:
+            timer = heapq.heappop(scheduled)[2]
+            timer._scheduled = False  # type: ignore[attr-defined]
+            ready.append(timer)
+        # only the callbacks ready now: those they schedule run at the next turn
+        for _ in range(len(ready)):
+            handle = ready.popleft()
+            if not handle._cancelled:  # type: ignore[attr-defined]
+                handle._run()  # type: ignore[attr-defined]
+
+
+#: asyncio's threshold for sweeping cancelled timers out of the heap
+_MIN_TIMERS_TO_SWEEP = 100
 
 
 class VirtualClock:

@@ -137,6 +137,37 @@ def test_sleep_jumps_exactly_to_the_timer() -> None:
     assert run_virtual(main) == [3600.0, 3600.25, 3600.251]
 
 
+def test_timers_due_at_one_instant_run_in_the_order_they_were_set() -> None:
+    # other timers, cancelled or not, change the heap's layout but not that order (with
+    # asyncio's own heap of TimerHandles, which compare only their time, they do)
+    async def main(clock: VirtualClock) -> list[int]:
+        loop = asyncio.get_running_loop()
+        ran: list[int] = []
+        for i in range(60):
+            loop.call_at(5.0, ran.append, i)
+            other = loop.call_at(clock.rng.uniform(0.0, 10.0), lambda: None)
+            if i % 3 == 0:
+                other.cancel()
+        await clock.sleep(6.0)
+        return ran
+
+    for seed in range(3):
+        assert run_virtual(main, seed=seed) == list(range(60))
+
+
+def test_the_loop_jumps_no_timer_past_run_until_complete() -> None:
+    clock = VirtualClock()
+    clock.loop.call_later(50.0, lambda: None)
+
+    async def main() -> float:
+        await asyncio.sleep(2.0)
+        return clock.now()
+
+    assert clock.loop.run_until_complete(main()) == 2.0
+    assert clock.now() == 2.0  # the timer at 50 s is still pending, not run
+    clock.loop.close()
+
+
 def test_request_timeout_fires_at_virtual_deadline() -> None:
     class Sleeper(Actor):
         @handles
