@@ -90,6 +90,7 @@ from pivot.actors.shift_messages import (
     Register,
     Release,
 )
+from pivot.actors.trainer_messages import ComputeGradients, HelperGradients
 from pivot.actors.vocabulary import LOAD_TOPIC, SEGMENTS_TOPIC, rl_messages
 from pivot.bus import Actor, Bus, BusError, Directory, RequestTimeout, Unreachable, handles
 from pivot.bus.codec import job_secret
@@ -266,6 +267,7 @@ class RoleAgent(Actor):
         self._report_failures = 0  # consecutive
         self.stepping: Stepping = stepping if stepping is not None else Threaded()
         self._engine_lock = asyncio.Lock()
+        self._gradients: Any = None  # a GradientWorker, once the trainer asked for help
         self._report_lock = asyncio.Lock()
         # one role change at a time: a repeated Acquire (a restarted Controller) waits for the
         # one in flight and then finds its replica held
@@ -405,6 +407,16 @@ class RoleAgent(Actor):
     @handles
     def describe(self, msg: Describe) -> AgentState:
         return self.state()
+
+    @handles
+    async def compute_gradients(self, msg: ComputeGradients) -> HelperGradients:
+        """A gradient helper's work for the trainer's step in flight: the Controller cut this
+        replica's routing, so its engine has nothing to run (``pivot.actors.gradient_help``)."""
+        from pivot.actors.gradient_help import GradientWorker
+
+        if self._gradients is None:
+            self._gradients = GradientWorker()
+        return await asyncio.to_thread(self._gradients.compute, msg)
 
     # waits on a report in flight, which waits on the scheduler
     @handles(calls_peers=True)

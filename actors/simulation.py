@@ -278,11 +278,13 @@ class RunResult(msgspec.Struct, kw_only=True):
         }
 
     def simulated_only(self) -> list[str]:
-        """What this run's figures owe to a mechanism only the simulated backend has, by the
-        name of the planner setting that turns it off: ``gradient_helpers`` where a measured
-        step took helpers (the DeepSpeed trainer takes none: ``DeepSpeedBackend.takes_helpers``;
-        in the trainer-bound 32B and 72B groups PivotRL's whole lead over the baselines is
-        theirs, ``--ablation no-gradient-helpers``)."""
+        """What this run's figures owe to a mechanism that only the simulated backend has at
+        the simulated cluster's scale, by the name of the planner setting that turns it off:
+        ``gradient_helpers`` where a measured step took helpers. The DeepSpeed trainer takes
+        them on CPU only (``pivot.actors.gradient_help``: the helper computes on the host and
+        keeps its engine loaded), not on GPUs, where a helper must first free its engine's
+        memory; in the trainer-bound 32B and 72B groups PivotRL's whole lead over the
+        baselines is theirs, ``--ablation no-gradient-helpers``."""
         return ["gradient_helpers"] if self.helpers() else []
 
     def account_seconds(self) -> dict[str, float]:

@@ -46,8 +46,10 @@ import msgspec
 
 from pivot.actors.shift_messages import TrainerPhaseChanged
 from pivot.actors.trainer_messages import (
+    ComputeGradients,
     GradientHelper,
     HelpEnded,
+    HelperGradients,
     Helping,
     HelpTrainer,
     OffloadTrainer,
@@ -68,6 +70,8 @@ from pivot.training import TrainStats
 
 T = TypeVar("T")
 
+HELPER_TIMEOUT_S = 600.0
+
 
 class TrainerBusy(RuntimeError):
     """A request the trainer cannot honour now: a second batch while one is in flight, or an
@@ -80,6 +84,10 @@ class StaleBatch(RuntimeError):
 
 class TrainerOffloaded(RuntimeError):
     """A request that needs the parameters on the devices while they are offloaded."""
+
+
+#: Send an agent a gradient helper's work and await its gradient (the Trainer's request)
+AskHelper = Callable[[str, ComputeGradients], Awaitable[HelperGradients]]
 
 
 class TrainResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -119,9 +127,10 @@ class TrainingBackend(Protocol):
         """Whether inference replicas may join a step as gradient helpers (``help``)."""
         ...
 
-    async def help(self, helpers: list[GradientHelper]) -> list[str]:
+    async def help(self, helpers: list[GradientHelper], ask: AskHelper) -> list[str]:
         """Offer ``helpers`` to the step in flight; the replicas it took. Not a command: it
-        runs while ``train`` does (and takes none while no step runs)."""
+        runs while ``train`` does (and takes none while no step runs). ``ask`` sends a
+        helper's agent its work (a backend that computes gradients there)."""
         ...
 
     async def start(self) -> None:
@@ -335,8 +344,17 @@ class Trainer(Actor):
 
     @handles
     async def help(self, msg: HelpTrainer) -> Helping:
-        taken = await self.backend.help(msg.helpers) if self.backend.takes_helpers else []
+        taken = (
+            await self.backend.help(msg.helpers, self._ask_helper)
+            if self.backend.takes_helpers
+            else []
+        )
         return Helping(replicas=taken, version=self.backend.version)
+
+    async def _ask_helper(self, agent: str, work: ComputeGradients) -> HelperGradients:
+        # no tighter bound needed: the step gives up on a late helper by itself
+        # (pivot.actors.gradient_help), and its reply is then dropped
+        return await self.request(agent, work, timeout=HELPER_TIMEOUT_S, expect=HelperGradients)
 
     async def _wait_for_pool(self) -> None:
         if self.controller is None:

@@ -45,7 +45,10 @@ new group and is trained once, from the version it was made for.
 
 Gradients are accumulated by the caller (DeepSpeed's ``managed_gradient_accumulation``
 off): a step runs as many micro-batches as the rank's share needs, every rank the same
-number (shards are padded with empty rows), then one ``engine.step()``.
+number (shards are padded with empty rows), then one ``engine.step()``. Where a step may take
+gradient helpers (ZeRO-1/2, no KL term, a GPS store), rank 0 names each micro-batch round the
+ranks run and folds the helpers' gradient in before the step (``BroadcastRounds``,
+``pivot.actors.gradient_help``).
 """
 
 from __future__ import annotations
@@ -64,22 +67,26 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import torch
 
-from pivot.actors.assembly import ChildProcess, trainer_names
+from pivot.actors.assembly import ChildProcess, agent_name, trainer_names
 from pivot.actors.checkpoints import Checkpoints, TrainerStart, read_checkpoint, trainer_start
 from pivot.actors.faults import first_start, trainer_fault
-from pivot.actors.trainer import Trainer, TrainerOffloaded, TrainResult
+from pivot.actors.gradient_help import HelpedRounds
+from pivot.actors.tensor_wire import batch_from_wire, batch_to_wire
+from pivot.actors.trainer import AskHelper, Trainer, TrainerOffloaded, TrainResult
 from pivot.actors.trainer_messages import (
+    ComputeGradients,
     GradientHelper,
     SimTrainBatch,
     TrainBatch,
     TrainerRestart,
+    WireBatch,
 )
 from pivot.actors.vocabulary import rl_messages
 from pivot.bus import Actor, Bus, Directory, RestartPolicy, Supervisor
@@ -93,10 +100,11 @@ from pivot.grpo import (
     TrainingSettings,
     TrainStats,
     build_batch,
-    policy_loss,
+    micro_batch_loss,
     token_logprobs,
     warmup_factor,
 )
+from pivot.timeline import HelperSpan
 
 #: How long a collective may wait; followers wait for the next command in one, and a
 #: batch can take a long time to roll out and score.
@@ -377,39 +385,49 @@ class DeepSpeedTrainer:
     def zero_stage(self) -> int:
         return self.settings.zero_stage
 
-    def train_step(self, batch: GRPOBatch) -> TrainStats:
-        """One GRPO step on the whole batch; this rank trains on its share."""
+    @property
+    def takes_helpers(self) -> bool:
+        """Whether gradient helpers may take some of a step's micro-batches: on CPU only (a
+        helper computes on its host, which on a GPU job would be slower than the ranks it
+        helps), not at ZeRO-3 (parameters partitioned outside the forward) nor with a KL term
+        (a helper holds no reference policy); see ``pivot.actors.gradient_help``."""
+        return (
+            torch.device(self.engine.device).type == "cpu"
+            and self.settings.zero_stage < 3
+            and self.settings.kl_coef == 0.0
+        )
+
+    def train_step(self, batch: GRPOBatch, rounds: StepRounds | None = None) -> TrainStats:
+        """One GRPO step on the whole batch; this rank trains on its share. ``rounds``: which
+        of its micro-batches it runs, in what order, and the gradient helpers computed the
+        rest (``pivot.actors.gradient_help``); default: all of them, in order."""
         import torch.distributed as dist
 
         if self._offloaded:
             raise TrainerOffloaded("the trainer's state is offloaded: reload before training")
         started = self.clock()
         s = self.settings
-        shard = batch.shard(self.rank, self.world_size)
-        # ranks average their gradients: each divides its token sum by the batch's tokens
-        # over the world size, so the average is the gradient of the batch's token mean
-        denominator = max(batch.tokens, 1) / self.world_size
+        micro_batches = batch.shard(self.rank, self.world_size).micro_batches(s.micro_batch_size)
+        rounds = rounds or InOrder(len(micro_batches))
         lr = float(self.engine.get_lr()[0])
         sums = LossSums()
-        for micro in shard.micro_batches(s.micro_batch_size):
-            micro = micro.to(self.engine.device)
-            logits = self.engine(input_ids=micro.input_ids, use_cache=False).logits
-            logprobs = token_logprobs(logits, micro.input_ids, s.temperature)
-            ref = self._reference_logprobs(micro)
-            loss, part = policy_loss(
-                logprobs,
-                micro.old_logprobs,
-                micro.advantages,
-                micro.response_mask,
-                clip_low=s.clip_low,
-                clip_high=s.clip_high,
-                dual_clip=s.dual_clip,
-                ref_logprobs=ref,
-                kl_coef=s.kl_coef,
-                denominator=denominator,
+        while (j := rounds.next_round()) is not None:
+            micro = micro_batches[j].to(self.engine.device)
+            loss, part = micro_batch_loss(
+                self.engine,
+                micro,
+                s,
+                denominator=self.denominator(batch),
+                ref_logprobs=self._reference_logprobs(micro),
             )
             self.engine.backward(loss, scale_wrt_gas=False)
             sums = sums + part
+        helped = rounds.helped()
+        helped_tokens = 0
+        if helped is not None:
+            self._fold(helped[0])
+            sums = sums + helped[1]
+            helped_tokens = int(helped[1].tokens)
         trainer_fault("crash-in-step", self._version + 1, self.rank)
         self.engine.step()
         grad_norm = self.engine.get_global_grad_norm()
@@ -431,7 +449,23 @@ class DeepSpeedTrainer:
             seconds=self.clock() - started,
             stale_tokens=batch.stale_tokens,
             masked_tokens=batch.masked_tokens,
+            helped_tokens=helped_tokens,
         )
+
+    def denominator(self, batch: GRPOBatch) -> float:
+        # ranks average their gradients: each divides its token sum by the batch's tokens
+        # over the world size, so the average is the gradient of the batch's token mean
+        return max(batch.tokens, 1) / self.world_size
+
+    def _fold(self, grads: dict[str, torch.Tensor] | None) -> None:
+        """One more backward on every rank, of sum(p * g) with ``g`` the helpers' gradient
+        (rank 0) or zero (the others): DeepSpeed reduces it with the ranks' own."""
+        named = [(n, p) for n, p in self.engine.module.named_parameters() if p.requires_grad]
+        if grads is None:
+            surrogate = sum((p * 0.0).sum() for _, p in named)
+        else:
+            surrogate = sum((p * grads[n].to(p.device, p.dtype)).sum() for n, p in named)
+        self.engine.backward(surrogate, scale_wrt_gas=False)
 
     def _reference_logprobs(self, micro: GRPOBatch) -> torch.Tensor | None:
         if self._reference is None:
@@ -531,64 +565,87 @@ class RankCommand:
     checkpoint: str = ""  # train: then save a checkpoint into this folder
 
 
-class _WireTensor(msgspec.Struct, array_like=True):
-    dtype: str
-    shape: list[int]
-    data: bytes
-
-
 class _WireCommand(msgspec.Struct, array_like=True):
     kind: str
     publish: bool
     checkpoint: str
-    batch: dict[str, _WireTensor] | None  # GRPOBatch's tensor fields
-    pad_id: int
+    batch: WireBatch | None
 
 
-# the dtypes a GRPOBatch holds; anything else is refused, never guessed
-_WIRE_DTYPES = {str(t).removeprefix("torch."): t for t in (torch.int64, torch.float32)}
 _decode_command = msgspec.msgpack.Decoder(_WireCommand).decode
 
 
 def encode_command(command: RankCommand) -> bytes:
     """``command`` as msgpack bytes (tensors as dtype, shape and raw bytes)."""
-    batch = None
-    pad_id = 0
-    if command.batch is not None:
-        batch = {}
-        for field in fields(command.batch):
-            value = getattr(command.batch, field.name)
-            if field.name == "pad_id":
-                pad_id = value
-                continue
-            dtype = str(value.dtype).removeprefix("torch.")
-            if dtype not in _WIRE_DTYPES:
-                raise TypeError(
-                    f"GRPOBatch.{field.name} is {value.dtype}, which rank commands do not carry"
-                )
-            data = value.detach().to("cpu").contiguous()
-            batch[field.name] = _WireTensor(
-                dtype, list(data.shape), data.view(torch.uint8).numpy().tobytes()
-            )
-    wire = _WireCommand(command.kind, command.publish, command.checkpoint, batch, pad_id)
-    return msgspec.msgpack.encode(wire)
+    batch = batch_to_wire(command.batch) if command.batch is not None else None
+    return msgspec.msgpack.encode(
+        _WireCommand(command.kind, command.publish, command.checkpoint, batch)
+    )
 
 
 def decode_command(frame: bytes) -> RankCommand:
     """The ``RankCommand`` that ``encode_command`` made ``frame`` of."""
     wire = _decode_command(frame)
-    batch = None
-    if wire.batch is not None:
-        tensors = {}
-        for name, t in wire.batch.items():
-            dtype = _WIRE_DTYPES.get(t.dtype)
-            if dtype is None:
-                raise ValueError(f"rank command with a tensor of dtype {t.dtype!r}")
-            raw = torch.frombuffer(bytearray(t.data), dtype=torch.uint8) if t.data else None
-            flat = raw.view(dtype) if raw is not None else torch.empty(0, dtype=dtype)
-            tensors[name] = flat.reshape(t.shape)
-        batch = GRPOBatch(**tensors, pad_id=wire.pad_id)
+    batch = batch_from_wire(wire.batch) if wire.batch is not None else None
     return RankCommand(wire.kind, batch, wire.publish, wire.checkpoint)
+
+
+class StepRounds(Protocol):
+    """Which micro-batch round a rank runs next in a step (None: no more), and, once none
+    is left, the gradient helpers' part to fold in: (gradient or None on ranks other than
+    0, loss sums), or None when no helper's gradient came."""
+
+    def next_round(self) -> int | None: ...
+
+    def helped(self) -> tuple[dict[str, torch.Tensor] | None, LossSums] | None: ...
+
+
+class InOrder:
+    """Every round, in order; no helpers."""
+
+    def __init__(self, rounds: int) -> None:
+        self._rounds = iter(range(rounds))
+
+    def next_round(self) -> int | None:
+        return next(self._rounds, None)
+
+    def helped(self) -> None:
+        return None
+
+
+class BroadcastRounds:
+    """Rank 0 names each round from its ``HelpedRounds`` and broadcasts it over the command
+    group; the other ranks (``plan`` None) run what it names. The last broadcast says
+    whether helpers' gradients are to be folded in (-2) or not (-1)."""
+
+    def __init__(self, group: Any, plan: HelpedRounds | None) -> None:
+        self._group = group
+        self.plan = plan
+        self._helped: tuple[dict[str, torch.Tensor] | None, LossSums] | None = None
+
+    def next_round(self) -> int | None:
+        import torch.distributed as dist
+
+        value = torch.zeros(1, dtype=torch.int64)
+        if self.plan is not None:
+            j = self.plan.next_round()
+            while j is None and self.plan.settle():
+                j = self.plan.next_round()
+            if j is None:
+                grads, sums = self.plan.gradients()
+                if grads is not None:
+                    self._helped = (grads, sums)
+                value[0] = -2 if grads is not None else -1
+            else:
+                value[0] = j
+        dist.broadcast(value, src=0, group=self._group)
+        j = int(value.item())
+        if j == -2 and self.plan is None:
+            self._helped = (None, LossSums())
+        return j if j >= 0 else None
+
+    def helped(self) -> tuple[dict[str, torch.Tensor] | None, LossSums] | None:
+        return self._helped
 
 
 class RankGroup:
@@ -608,6 +665,10 @@ class RankGroup:
         self._group = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
         self.last_write_s = 0.0
         self.last_checkpoint_s = 0.0
+        # rank 0, while a step runs that helpers may join: its rounds (read by the event
+        # loop's thread, DeepSpeedBackend.help); and the helpers the last step took
+        self.helping: HelpedRounds | None = None
+        self.last_helpers: tuple[HelperSpan, ...] = ()
 
     def _exchange(self, command: RankCommand | None) -> RankCommand:
         import torch.distributed as dist
@@ -643,7 +704,7 @@ class RankGroup:
         engine = self.engine
         if command.kind == "train":
             assert command.batch is not None
-            stats = engine.train_step(command.batch)
+            stats = self._train(command)
             # the checkpoint first: a version in GPS is a step done, checkpoint included, so
             # a group that dies before publishing retrains the step, and one that published
             # it has nothing of it to redo
@@ -674,6 +735,33 @@ class RankGroup:
             return None
         raise ValueError(f"unknown trainer command {command.kind!r}")
 
+    def _train(self, command: RankCommand) -> TrainStats:
+        batch = command.batch
+        assert batch is not None
+        engine = self.engine
+        self.last_helpers = ()
+        # helpers only where the step publishes to GPS (they read the policy there): every
+        # rank knows it from the command
+        if not (command.publish and engine.takes_helpers):
+            return engine.train_step(batch)
+        plan = None
+        if self.rank == 0:
+            size = engine.settings.micro_batch_size
+            plan = HelpedRounds(
+                [
+                    batch.shard(r, self.world_size).micro_batches(size)
+                    for r in range(self.world_size)
+                ],
+                denominator=engine.denominator(batch),
+            )
+            self.helping = plan
+        try:
+            return engine.train_step(batch, BroadcastRounds(self._group, plan))
+        finally:
+            if plan is not None:
+                self.helping = None
+                self.last_helpers = plan.spans()
+
     def _publish(self, version: int) -> None:
         """Write the policy to GPS as ``version`` (rank 0 writes; under ZeRO-3 every rank
         joins the gather)."""
@@ -699,6 +787,7 @@ class DeepSpeedBackend:
         self.group = group
         self.engine = group.engine
         self._failed: BaseException | None = None
+        self._helping: set[asyncio.Task[None]] = set()  # requests to helpers in flight
 
     @property
     def version(self) -> int:
@@ -755,14 +844,47 @@ class DeepSpeedBackend:
             gps_version=stats.version if command.publish else None,
             gps_write_s=self.group.last_write_s if command.publish else 0.0,
             checkpoint_s=self.group.last_checkpoint_s if command.checkpoint else 0.0,
+            helpers=self.group.last_helpers,
         )
 
     @property
     def takes_helpers(self) -> bool:
-        return False  # the rank group is fixed at start: no replica can join its all-reduce
+        return self.engine.takes_helpers and self.group.store is not None
 
-    async def help(self, helpers: list[GradientHelper]) -> list[str]:
-        return []
+    async def help(self, helpers: list[GradientHelper], ask: AskHelper) -> list[str]:
+        plan = self.group.helping
+        store = self.store
+        if plan is None or store is None:
+            return []
+        engine = self.engine
+        taken = []
+        for helper in helpers:
+            rounds = plan.claim(helper.replica, helper.devices)
+            if not rounds:
+                continue
+            request = ComputeGradients(
+                version=engine.version,
+                store=store,
+                policy=engine.checkpoint,
+                batches=[batch_to_wire(b) for b in plan.batches(rounds)],
+                denominator=plan.denominator,
+                settings=engine.settings,
+            )
+            task = asyncio.create_task(self._helped(plan, helper, request, ask))
+            self._helping.add(task)
+            task.add_done_callback(self._helping.discard)
+            taken.append(helper.replica)
+        return taken
+
+    async def _helped(
+        self, plan: HelpedRounds, helper: GradientHelper, request: ComputeGradients, ask: AskHelper
+    ) -> None:
+        try:
+            reply = await ask(agent_name(helper.devices[0]), request)
+        except Exception as exc:  # noqa: BLE001 - the ranks run its rounds instead
+            plan.deliver(helper.replica, None, exc)
+        else:
+            plan.deliver(helper.replica, reply)
 
     async def offload(self) -> float:
         started = time.perf_counter()

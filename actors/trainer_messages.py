@@ -14,7 +14,7 @@ from typing import Literal
 import msgspec
 
 from pivot.actors.messages import RLMessage
-from pivot.training import RolloutSample, TrainStats
+from pivot.training import RolloutSample, TrainingSettings, TrainStats
 
 TrainerStateName = Literal["idle", "training", "offloaded"]
 
@@ -145,6 +145,46 @@ class HelpEnded(RLMessage, kw_only=True):
     ended; route to them again."""
 
     replicas: list[str]
+
+
+class WireTensor(msgspec.Struct, array_like=True):
+    """A tensor on the wire: dtype name (``float32``), shape and raw bytes
+    (``pivot.actors.tensor_wire`` converts)."""
+
+    dtype: str
+    shape: list[int]
+    data: bytes
+
+
+class WireBatch(msgspec.Struct, array_like=True):
+    """A ``pivot.grpo.GRPOBatch`` on the wire: its tensor fields by name, and its pad id."""
+
+    tensors: dict[str, WireTensor]
+    pad_id: int
+
+
+class ComputeGradients(RLMessage, kw_only=True):
+    """Trainer -> a gradient helper's agent: the summed gradient of the GRPO loss over
+    ``batches`` (micro-batches of the step in flight) for the policy ``version`` in the GPS
+    store ``store``, the policy's architecture read from the Hugging Face folder ``policy``;
+    each micro-batch's token losses divided by ``denominator``, as the trainer's ranks divide
+    theirs. Reply: ``HelperGradients``."""
+
+    version: int
+    store: str
+    policy: str
+    batches: list[WireBatch]
+    denominator: float
+    settings: TrainingSettings
+
+
+class HelperGradients(RLMessage, kw_only=True):
+    """The gradient, by parameter name (those the policy trains), and the loss sums
+    (``pivot.grpo.LossSums``, in field order) of the micro-batches a ``ComputeGradients``
+    named."""
+
+    grads: dict[str, WireTensor]
+    sums: list[float]
 
 
 class TrainerState(RLMessage, kw_only=True):

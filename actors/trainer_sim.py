@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 from collections.abc import Mapping
 
-from pivot.actors.trainer import TrainResult
+from pivot.actors.trainer import AskHelper, TrainResult
 from pivot.actors.trainer_messages import GradientHelper, SimTrainBatch, TrainBatch
 from pivot.bus import Clock
 from pivot.engines.helped_step import HelpedStep, Helper
@@ -66,7 +66,7 @@ class SimTrainingBackend:
     def takes_helpers(self) -> bool:
         return True
 
-    async def help(self, helpers: list[GradientHelper]) -> list[str]:
+    async def help(self, helpers: list[GradientHelper], ask: AskHelper) -> list[str]:
         step = self._step
         if step is None:
             return []

@@ -89,6 +89,8 @@ MESSAGES: tuple[type[RLMessage], ...] = (
     trainer.HelpTrainer,
     trainer.Helping,
     trainer.HelpEnded,
+    trainer.ComputeGradients,
+    trainer.HelperGradients,
 )
 
 

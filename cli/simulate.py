@@ -620,8 +620,8 @@ def _simulated_only_lines(simulated_only: dict[str, list[str]]) -> list[str]:
     gradient helpers, the one such mechanism today)."""
     return [
         f"  {kind}'s figures include its gradient helpers, which only the simulated trainer "
-        "takes (the DeepSpeed trainer takes none yet): --ablation no-gradient-helpers runs it "
-        "without them"
+        "takes on GPUs (the DeepSpeed trainer takes them on CPU only): --ablation "
+        "no-gradient-helpers runs it without them"
         for kind, names in simulated_only.items()
         if "gradient_helpers" in names
     ]

@@ -179,6 +179,33 @@ def policy_loss(
     return loss, sums
 
 
+def micro_batch_loss(
+    model: torch.nn.Module,
+    micro: GRPOBatch,
+    settings: TrainingSettings,
+    *,
+    denominator: float,
+    ref_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, LossSums]:
+    """``policy_loss`` of one micro-batch under ``model`` (a causal LM, or an engine that
+    wraps one), with ``settings``' temperature and clips: what a trainer rank and a gradient
+    helper each run."""
+    logits = model(input_ids=micro.input_ids, use_cache=False).logits
+    logprobs = token_logprobs(logits, micro.input_ids, settings.temperature)
+    return policy_loss(
+        logprobs,
+        micro.old_logprobs,
+        micro.advantages,
+        micro.response_mask,
+        clip_low=settings.clip_low,
+        clip_high=settings.clip_high,
+        dual_clip=settings.dual_clip,
+        ref_logprobs=ref_logprobs,
+        kl_coef=settings.kl_coef,
+        denominator=denominator,
+    )
+
+
 def warmup_factor(step: int, warmup_steps: int) -> float:
     """The learning-rate multiplier of optimizer step ``step`` (0-based): linear from
     1 / warmup_steps up to 1 at step warmup_steps - 1, then 1."""

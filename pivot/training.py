@@ -93,7 +93,8 @@ class TrainStats(msgspec.Struct, frozen=True, kw_only=True):
     loss trained on; ``masked_tokens`` those it skipped for their loss mask (tools', the
     environment's) and ``stale_tokens`` those it skipped for the staleness rule (sampled by a
     policy older than the bound allows: 0 in a healthy run, the Driver's admission keeps
-    rollouts within it).
+    rollouts within it). ``helped_tokens``: of ``tokens``, those whose gradient gradient
+    helpers computed (inference replicas with nothing to run, ``pivot.actors.gradient_help``).
     """
 
     version: int
@@ -109,3 +110,4 @@ class TrainStats(msgspec.Struct, frozen=True, kw_only=True):
     seconds: float = 0.0
     stale_tokens: int = 0
     masked_tokens: int = 0
+    helped_tokens: int = 0

@@ -18,10 +18,12 @@ import pytest
 import pytest_asyncio
 import torch
 
-from pivot.actors.assembly import trainer_names
+from pivot.actors.agent import RoleAgent
+from pivot.actors.assembly import agent_name, trainer_names
 from pivot.actors.messages import Ack
 from pivot.actors.param_store import ParameterReader, ParameterStore, remove_store
 from pivot.actors.shift_messages import TrainerPhaseChanged
+from pivot.actors.tensor_wire import batch_to_wire, tensors_from_wire
 from pivot.actors.trainer import Trainer, TrainResult, restart_text
 from pivot.actors.trainer_deepspeed import (
     RankCommand,
@@ -31,8 +33,10 @@ from pivot.actors.trainer_deepspeed import (
     fingerprint,
 )
 from pivot.actors.trainer_messages import (
+    ComputeGradients,
     GradientHelper,
     HelpEnded,
+    HelperGradients,
     Helping,
     HelpTrainer,
     OffloadTrainer,
@@ -64,9 +68,11 @@ from pivot.engines.tokenizer import TextCodec, build_tokenizer, save_pretrained
 from pivot.engines.torch_engine import TorchEngine
 from pivot.grpo import (
     GRPOBatch,
+    LossSums,
     RolloutSample,
     TrainingSettings,
     build_batch,
+    micro_batch_loss,
     policy_loss,
     token_logprobs,
 )
@@ -539,7 +545,7 @@ async def group(tmp_path_factory: pytest.TempPathFactory, request: pytest.Fixtur
     folder = tmp_path_factory.mktemp("trainer")
     checkpoint = make_checkpoint(folder / "tiny")
     names = trainer_names("trainer", WORLD)
-    directory = Directory.ipc(folder, [*names, "probe"])
+    directory = Directory.ipc(folder, [*names, "probe", HELPER, FAILING_HELPER])
     store = f"pivot-test-trainer-{uuid.uuid4().hex[:8]}"
     supervisor = Supervisor()
     add_trainer_group(
@@ -556,7 +562,12 @@ async def group(tmp_path_factory: pytest.TempPathFactory, request: pytest.Fixtur
     await supervisor.start()
     bus = Bus.nng(directory, rl_messages())
     probe = Actor("probe", bus)
+    # a gradient helper's agent (free: the helper's role does not matter to the trainer),
+    # and one that cannot compute gradients
+    helpers = [RoleAgent(HELPER, bus), Actor(FAILING_HELPER, bus)]
     await probe.start()
+    for actor in helpers:
+        await actor.start()
     try:
         g = Group(supervisor, probe, store, checkpoint, samples, None, {}, {})
         version, g.initial = g.read_gps()
@@ -566,6 +577,8 @@ async def group(tmp_path_factory: pytest.TempPathFactory, request: pytest.Fixtur
         assert version == 1
         yield g
     finally:
+        for actor in helpers:
+            await actor.stop()
         await probe.stop()
         await bus.close()
         await supervisor.stop()
@@ -705,6 +718,88 @@ async def test_a_bad_batch_is_refused_and_the_group_keeps_serving(group: Group) 
     after = await group.ask(QueryTrainer(fingerprints=True), expect=TrainerStatus)
     assert after.version == before.version and after.state == "idle"
     assert len(set(after.fingerprints)) == 1
+
+
+HELPER, FAILING_HELPER = agent_name(7), agent_name(8)
+
+
+def helper_request(group: Group, version: int, batch: GRPOBatch) -> ComputeGradients:
+    return ComputeGradients(
+        version=version,
+        store=group.store,
+        policy=str(group.checkpoint),
+        batches=[batch_to_wire(m) for m in batch.micro_batches(3)],
+        denominator=5.0,
+        settings=SETTINGS,
+    )
+
+
+@ON_GROUP
+async def test_a_helpers_gradient_is_autograds_on_its_micro_batches(group: Group) -> None:
+    version, weights = group.read_gps()
+    batch = build_batch(group.samples, pad_id=TextCodec.char().padding_id)
+    reply = await group.probe.request(
+        HELPER, helper_request(group, version, batch), timeout=TIMEOUT, expect=HelperGradients
+    )
+    model = load_model(group.checkpoint, weights).train()
+    sums = LossSums()
+    for micro in batch.micro_batches(3):
+        loss, part = micro_batch_loss(model, micro, SETTINGS, denominator=5.0)
+        loss.backward()
+        sums = sums + part
+    got = tensors_from_wire(reply.grads)
+    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert set(got) == set(trained)
+    for name, p in trained.items():
+        assert torch.allclose(got[name], p.grad, atol=1e-6), name
+    assert reply.sums == pytest.approx(sums.as_tensor().tolist(), rel=1e-5)
+    with pytest.raises(RemoteError, match="publishes policy version"):
+        await group.probe.request(
+            HELPER, helper_request(group, version + 1, batch), timeout=TIMEOUT
+        )
+
+
+@ON_GROUP
+async def test_helpers_compute_part_of_a_step_and_the_step_is_the_batchs(group: Group) -> None:
+    """Two replicas offered mid-step (ZeRO-2): one computes some rounds' gradients, the
+    other cannot and its rounds go back to the ranks; the step's loss and gradient norm are
+    those of the whole batch at the step's weights. ZeRO-3 takes no helper."""
+    status = await group.ask(QueryTrainer(), expect=TrainerStatus)
+    version, weights = group.read_gps()
+    samples = group.samples * 30  # 210 rows: 35 rounds of 3 a rank
+    batch = build_batch(samples, pad_id=TextCodec.char().padding_id)
+    model = load_model(group.checkpoint, weights).train()
+    loss, _ = micro_batch_loss(model, batch, SETTINGS, denominator=batch.tokens)
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+    # the helper's agent builds the policy's model on its first request: not in the step,
+    # where the ranks would give up waiting for it
+    await group.probe.request(
+        HELPER, helper_request(group, version, batch.rows(slice(0, 3))), timeout=TIMEOUT
+    )
+    offered = [
+        GradientHelper("rollout-7", "rollout", [7]),
+        GradientHelper("reward-8", "reward", [8]),
+    ]
+    train = asyncio.create_task(group.ask(TrainBatch(samples=samples, step=90), expect=Trained))
+    taken: list[str] = []
+    while not train.done() and len(taken) < len(offered):
+        offer = [h for h in offered if h.replica not in taken]
+        taken += (await group.ask(HelpTrainer(helpers=offer), expect=Helping)).replicas
+        await asyncio.sleep(0.002)
+    trained = await train
+    stats = trained.stats
+    assert stats.version == status.version + 1
+    assert stats.tokens == batch.tokens
+    assert stats.loss == pytest.approx(loss.item(), abs=1e-5)
+    assert stats.grad_norm == pytest.approx(norm.item(), rel=1e-4)
+    if status.zero_stage == 3:
+        assert not status.takes_helpers and taken == [] and stats.helped_tokens == 0
+        return
+    assert status.takes_helpers and sorted(taken) == ["reward-8", "rollout-7"]
+    assert 0 < stats.helped_tokens < stats.tokens
+    after = await group.ask(QueryTrainer(fingerprints=True), expect=TrainerStatus)
+    assert len(set(after.fingerprints)) == 1  # every rank made the same update
 
 
 @ON_GROUP

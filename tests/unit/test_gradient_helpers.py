@@ -100,13 +100,3 @@ def test_a_trainer_bound_run_lends_idle_reward_replicas_beside_a_serving_one():
         offered(tail, never, now=float(now), **takes)
     assert never.trainer_load.share == pytest.approx(1.0, abs=0.01)
     assert offered(tail, never, now=5000.0, **takes) == ["ro1"]
-
-
-def test_only_the_simulated_trainer_takes_helpers_as_the_simulate_report_says():
-    # `pivot simulate` calls a run's helpers simulated only (RunResult.simulated_only): the
-    # day the DeepSpeed backend takes them, that caveat must go with this test
-    from pivot.actors.trainer_deepspeed import DeepSpeedBackend
-    from pivot.actors.trainer_sim import SimTrainingBackend
-
-    assert not object.__new__(DeepSpeedBackend).takes_helpers
-    assert object.__new__(SimTrainingBackend).takes_helpers
