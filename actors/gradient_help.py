@@ -47,10 +47,13 @@ class StaleGradients(RuntimeError):
 
 
 class GradientWorker:
-    """An agent's side of gradient help: the policy's model, built on first use."""
+    """An agent's side of gradient help: the policy's model, built on first use. One request
+    at a time: the agent's device computes one, and transformers' loading patches module
+    globals, so two models built at once on two threads come out half on the meta device."""
 
     def __init__(self) -> None:
         self._models: dict[str, torch.nn.Module] = {}
+        self._lock = threading.Lock()
 
     def _model(self, policy: str) -> torch.nn.Module:
         model = self._models.get(policy)
@@ -69,6 +72,10 @@ class GradientWorker:
         return model
 
     def compute(self, msg: ComputeGradients) -> HelperGradients:
+        with self._lock:
+            return self._compute(msg)
+
+    def _compute(self, msg: ComputeGradients) -> HelperGradients:
         from pivot.actors.param_store import ParameterReader
 
         model = self._model(msg.policy)

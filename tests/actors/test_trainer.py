@@ -20,6 +20,7 @@ import torch
 
 from pivot.actors.agent import RoleAgent
 from pivot.actors.assembly import agent_name, trainer_names
+from pivot.actors.gradient_help import GradientWorker
 from pivot.actors.messages import Ack
 from pivot.actors.param_store import ParameterReader, ParameterStore, remove_store
 from pivot.actors.shift_messages import TrainerPhaseChanged
@@ -757,6 +758,24 @@ async def test_a_helpers_gradient_is_autograds_on_its_micro_batches(group: Group
         await group.probe.request(
             HELPER, helper_request(group, version + 1, batch), timeout=TIMEOUT
         )
+
+
+@ON_GROUP
+async def test_a_helper_asked_twice_at_once_builds_its_model_once_and_answers_both(
+    group: Group,
+) -> None:
+    # (transformers' loading patches module globals: two models built at once on two
+    # threads came out with parameters on the meta device)
+    version, _ = group.read_gps()
+    batch = build_batch(group.samples, pad_id=TextCodec.char().padding_id)
+    request = helper_request(group, version, batch)
+    worker = GradientWorker()
+    first, second = await asyncio.gather(
+        asyncio.to_thread(worker.compute, request), asyncio.to_thread(worker.compute, request)
+    )
+    assert first.sums == second.sums
+    for name, grad in tensors_from_wire(first.grads).items():
+        assert torch.equal(grad, tensors_from_wire(second.grads)[name]), name
 
 
 @ON_GROUP

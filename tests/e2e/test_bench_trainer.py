@@ -1,6 +1,6 @@
-"""`pivot bench trainer`: one short real run of a one-rank DeepSpeed group through the bench
-(the command runs in this process; the rank is a child process), its JSON line alone on
-stdout."""
+"""`pivot bench trainer`: short real runs of a one-rank DeepSpeed group through the bench
+(the command runs in this process; the rank and the helper's agent are child processes), one
+JSON line per run alone on stdout."""
 
 from __future__ import annotations
 
@@ -10,13 +10,16 @@ from pivot.assets import ASSETS
 from pivot.cli.main import main
 
 
-def test_bench_trainer_prints_one_json_line_per_world_size(capsys):
+def test_bench_trainer_prints_one_json_line_per_world_size_and_helper_count(capsys):
     argv = ["bench", "trainer", "--json", "--checkpoint", str(ASSETS / "tiny-policy")]
-    assert main([*argv, "--world-sizes", "1", "--steps", "1"]) == 0
+    argv += ["--world-sizes", "1", "--helpers", "0", "1", "--micro-batch-size", "8"]
+    assert main([*argv, "--steps", "2"]) == 0
     out = capsys.readouterr()
-    [line] = out.out.splitlines()
-    result = json.loads(line)
-    assert (result["world_size"], result["sequences"]) == (1, 64)
-    for key in ("train_step_ms", "train_request_ms", "gps_write_ms", "offload_ms", "reload_ms"):
-        assert result[key] > 0, key
-    assert result["train_request_ms"] >= result["train_step_ms"]
+    alone, helped = (json.loads(line) for line in out.out.splitlines())
+    for result, helpers in ((alone, 0), (helped, 1)):
+        assert (result["world_size"], result["helpers"], result["sequences"]) == (1, helpers, 64)
+        for key in ("train_step_ms", "train_request_ms", "gps_write_ms", "offload_ms", "reload_ms"):
+            assert result[key] > 0, key
+        assert result["train_request_ms"] >= result["train_step_ms"]
+    # eight rounds of 8 sequences: the helper, offered as each step starts, takes some
+    assert alone["helped_share"] == 0.0 and 0.0 < helped["helped_share"] < 1.0
