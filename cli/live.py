@@ -176,6 +176,8 @@ class LiveView:
         ):
             if t.get(key) is not None:
                 parts.append(f"{label} {t[key]:{fmt}}")
+        if t.get("helped_tokens") and t.get("tokens"):  # gradient helpers took part of it
+            parts.append(f"helped {t['helped_tokens'] / t['tokens']:.0%}")
         parts.append(f"train {self.train_s:.2f} s")
         return Text("  ".join(parts))
 

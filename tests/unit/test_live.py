@@ -107,6 +107,11 @@ def test_panel_says_what_start_up_does_then_elapsed_eta_and_the_trainer():
         "kl 0",
         "train 1.25 s",
     ]
+    # a step that gradient helpers took part of says how much
+    helped = {**train, "version": 3, "tokens": 400, "helped_tokens": 100}
+    view.on_step(scores(0.6), 8.0, train=helped, seconds=11.0, train_s=1.0)
+    line = next(line for line in _render(view).splitlines() if line.startswith("training  "))
+    assert line.split("  ")[-2:] == ["helped 25%", "train 1.00 s"]
 
 
 def test_device_map_shows_counts_then_each_device_once_fed():
