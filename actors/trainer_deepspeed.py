@@ -881,6 +881,8 @@ class DeepSpeedBackend:
     ) -> None:
         try:
             reply = await ask(agent_name(helper.devices[0]), request)
+            if reply.stale:
+                raise RuntimeError(f"{helper.replica} read a newer policy than the step's")
         except Exception as exc:  # noqa: BLE001 - the ranks run its rounds instead
             plan.deliver(helper.replica, None, exc)
         else:

@@ -181,10 +181,12 @@ class ComputeGradients(RLMessage, kw_only=True):
 class HelperGradients(RLMessage, kw_only=True):
     """The gradient, by parameter name (those the policy trains), and the loss sums
     (``pivot.grpo.LossSums``, in field order) of the micro-batches a ``ComputeGradients``
-    named."""
+    named. ``stale``: GPS published a newer version before the helper read it (the step it
+    was for has ended: a helper that came too late), so it computed nothing."""
 
     grads: dict[str, WireTensor]
     sums: list[float]
+    stale: bool = False
 
 
 class TrainerState(RLMessage, kw_only=True):
