@@ -17,13 +17,14 @@ batch's, without reaching into DeepSpeed's gradient buffers. A helper's loss is 
 the same denominator as a rank's (the batch's tokens over the world size), so its gradient
 counts as one rank's share of that work would.
 
-Limits: ZeRO-3 takes no helpers (its parameters are partitioned outside the forward), nor a
-loss with a KL term (the helper holds no reference policy); a helper reads the policy from
-GPS into a Hugging Face model of the policy's folder (built once per agent) and keeps its
-engine loaded, which on a GPU that serves another model would not fit.
+Limits (``DeepSpeedTrainer.takes_helpers``): CPU only, since a helper reads the policy from
+GPS into a Hugging Face model of the policy's folder on its host (built once per agent, so a
+job's first help is usually too late and dropped) and keeps its engine loaded, which on a
+GPU that serves another model would not fit; no ZeRO-3 (its parameters are partitioned
+outside the forward), nor a loss with a KL term (the helper holds no reference policy).
 
     GradientWorker().compute(ComputeGradients) -> HelperGradients   (an agent; blocking)
-    HelpedRounds(micro_batches, world_size)                          (rank 0 of the step)
+    HelpedRounds(micro_batches, denominator=...)                     (rank 0 of the step)
 """
 
 from __future__ import annotations
