@@ -114,8 +114,9 @@ class _Claim:
 
 class HelpedRounds:
     """The rounds of one step on rank 0: ``micro_batches[r][j]`` is rank ``r``'s micro-batch
-    of round ``j``; ``denominator``: what the ranks divide their token losses by. ``next_round`` and ``settle`` run on the ranks' thread, ``claim`` and
-    ``deliver`` on the event loop's; ``clock``: seconds on the trainer's scale."""
+    of round ``j``; ``denominator``: what the ranks divide their token losses by.
+    ``next_round`` and ``settle`` run on the ranks' thread, ``claim`` and ``deliver`` on the
+    event loop's; ``clock``: seconds on the trainer's scale."""
 
     def __init__(
         self,
@@ -125,7 +126,7 @@ class HelpedRounds:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.micro_batches = micro_batches
-        self.denominator = denominator  # what every rank divides its token losses by
+        self.denominator = denominator
         self.world_size = len(micro_batches)
         rounds = len(micro_batches[0]) if micro_batches else 0
         self.clock = clock

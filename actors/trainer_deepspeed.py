@@ -409,6 +409,7 @@ class DeepSpeedTrainer:
         s = self.settings
         micro_batches = batch.shard(self.rank, self.world_size).micro_batches(s.micro_batch_size)
         rounds = rounds or InOrder(len(micro_batches))
+        denominator = self.denominator(batch)
         lr = float(self.engine.get_lr()[0])
         sums = LossSums()
         while (j := rounds.next_round()) is not None:
@@ -417,7 +418,7 @@ class DeepSpeedTrainer:
                 self.engine,
                 micro,
                 s,
-                denominator=self.denominator(batch),
+                denominator=denominator,
                 ref_logprobs=self._reference_logprobs(micro),
             )
             self.engine.backward(loss, scale_wrt_gas=False)
@@ -462,7 +463,7 @@ class DeepSpeedTrainer:
         (rank 0) or zero (the others): DeepSpeed reduces it with the ranks' own."""
         named = [(n, p) for n, p in self.engine.module.named_parameters() if p.requires_grad]
         if grads is None:
-            surrogate = sum((p * 0.0).sum() for _, p in named)
+            surrogate = sum(p.sum() * 0.0 for _, p in named)  # a zero gradient, no copies
         else:
             surrogate = sum((p * grads[n].to(p.device, p.dtype)).sum() for n, p in named)
         self.engine.backward(surrogate, scale_wrt_gas=False)

@@ -132,7 +132,7 @@ async def bench(
         )
         for agent in agents:
             await probe.request(agent, warm, timeout=300, expect=HelperGradients)
-        # the first step warms up (a helper builds its policy model in it)
+        # the first step is left out (the group's first step is slower)
         for i in range(steps + 1):
             t = time.perf_counter()
             train = asyncio.create_task(
