@@ -116,7 +116,8 @@ SEGMENTS_EVERY_S = 1.0
 class WeightLoader(Protocol):
     """Where an agent reads a model's weights when it takes a role. A loader may also say
     ``read_bytes``, how much one read copies (None: not known, e.g. a file to read): a small
-    read runs on the agent's loop (``SMALL_READ_BYTES``)."""
+    read runs on the agent's loop (``SMALL_READ_BYTES``), and a small read's ``prepare()``,
+    if it has one, runs when the agent starts, so that no shift pays for a first read."""
 
     def __call__(self, model: str, min_version: int) -> tuple[NamedTensors, int]:
         """The model's tensors (checkpoint names) and their version (>= ``min_version``)."""
@@ -190,27 +191,53 @@ class StoreWeights:
         # a read copies every tensor into its buffer
         self.read_bytes = sum(t.numel() * t.element_size() for t in like.values())
 
-    def __call__(self, model: str, min_version: int) -> tuple[NamedTensors, int]:
-        import torch
+    def prepare(self) -> None:
+        """Do now what a first read would do on a shift's critical path: allocate the host
+        buffers (their pages touched) and, if the store publishes a version already, read it
+        (mapping its slot and making the read plan, which later versions reuse)."""
+        from pivot.actors.param_store import StoreError
 
-        from pivot.actors.param_store import ParameterReader
+        buffers = self._host_buffers()
+        for t in buffers.values():
+            t.zero_()
+        try:
+            self._open().read(buffers)
+        except StoreError:
+            pass  # no store or no version yet: the first read maps and plans
 
-        if self._reader is None:
-            self._reader = ParameterReader(self.store, name=self.reader_name)
+    def _host_buffers(self) -> dict[str, Any]:
         if self._buffers is None:
+            import torch
+
             self._buffers = {n: _host_buffer(torch, t, self.pin) for n, t in self._like.items()}
-        version = self._reader.read(self._buffers)
+        return self._buffers
+
+    def _open(self) -> Any:
+        if self._reader is None:
+            from pivot.actors.param_store import ParameterReader
+
+            self._reader = ParameterReader(self.store, name=self.reader_name)
+        return self._reader
+
+    def __call__(self, model: str, min_version: int) -> tuple[NamedTensors, int]:
+        buffers = self._host_buffers()
+        version = self._open().read(buffers)
         if version < min_version:
             raise ShiftRefused(
                 f"store {self.store!r} publishes version {version}, "
                 f"version {min_version} or newer was asked for"
             )
-        return self._buffers, version
+        return buffers, version
 
     def close(self) -> None:
         if self._reader is not None:
             self._reader.close()
             self._reader = None
+
+
+def _small(loader: WeightLoader) -> bool:
+    size = getattr(loader, "read_bytes", None)
+    return size is not None and size <= SMALL_READ_BYTES
 
 
 def _host_buffer(torch: Any, like: Any, pin: bool) -> Any:
@@ -295,6 +322,10 @@ class RoleAgent(Actor):
         for engine in self.engines.values():
             if engine is not self.engine:
                 engine.release(SHIFT_CONTEXT)
+        for loader in self.weights.values():
+            prepare = getattr(loader, "prepare", None)
+            if prepare is not None and _small(loader):
+                prepare()
         if self.engine is not None and self.scheduler is not None:
             await self._register()
 
@@ -545,8 +576,7 @@ class RoleAgent(Actor):
     async def _read(
         self, loader: WeightLoader, model: str, min_version: int
     ) -> tuple[NamedTensors, int]:
-        size = getattr(loader, "read_bytes", None)
-        if size is not None and size <= SMALL_READ_BYTES:
+        if _small(loader):
             return loader(model, min_version)
         return await self.stepping.call(loader, model, min_version)
 

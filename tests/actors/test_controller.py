@@ -1011,6 +1011,8 @@ def test_acquire_reads_weights_from_gps_and_release_frees_the_device():
             await agent.start()
             await client.start()
             assert agent.state().role is Role.FREE and engine.stats().released
+            # a small read is made on start, so the first Acquire pays no allocation and plan
+            assert all(torch.equal(loader._buffers[n], weights[n]) for n in weights)
             acquire = Acquire(
                 role=Role.ROLLOUT, replica="rollout@0", devices=[0], model="policy", min_version=3
             )
@@ -1053,6 +1055,28 @@ def test_acquire_reads_weights_from_gps_and_release_frees_the_device():
             loader.close()
 
     run_virtual(main)
+
+
+def test_a_store_weights_loader_prepares_before_its_store_has_a_version():
+    import torch
+
+    from pivot.actors.agent import StoreWeights
+    from pivot.actors.param_store import NoVersion, ParameterStore, StoreError
+
+    like = {"w": torch.zeros(2, 3)}
+    missing = StoreWeights("pivot-gps-no-such-store", like=like)
+    missing.prepare()  # no store yet: only the buffers
+    with pytest.raises(StoreError, match="no parameter store"):
+        missing("policy", 0)
+    with ParameterStore() as store:
+        loader = StoreWeights(store.name, like=like)
+        loader.prepare()
+        with pytest.raises(NoVersion):
+            loader("policy", 0)
+        store.write({"w": torch.ones(2, 3)}, version=1)
+        tensors, version = loader("policy", 1)
+        assert version == 1 and torch.equal(tensors["w"], torch.ones(2, 3))
+        loader.close()
 
 
 def test_a_member_of_a_multi_device_replica_holds_the_role_without_an_engine():

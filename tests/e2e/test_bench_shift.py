@@ -21,23 +21,37 @@ from pivot.cli.bench_shift import (
 from pivot.timeline import ShiftMark
 
 
-def _mark(kind: str, seconds: float, released: float, acquired: float, registered: float):
+def _mark(
+    kind: str,
+    seconds: float,
+    released: float,
+    acquired: float,
+    registered: float,
+    done: float = 0.0,
+    t: float = 0.0,
+):
     phases = {"routing_cut": 0.001, "aborted": 0.002, "released": released}
-    phases |= {"acquired": acquired, "registered": registered, "done": 0.0}
-    return ShiftMark(t=0.0, kind=kind, allocation={}, seconds=seconds, phase_s=phases)
+    phases |= {"acquired": acquired, "registered": registered, "done": done}
+    return ShiftMark(t=t, kind=kind, allocation={}, seconds=seconds, phase_s=phases)
 
 
 def test_shift_medians_take_role_shifts_by_phase():
     shifts = [
-        _mark("shift", 0.3, 0.01, 0.10, 0.02),
+        _mark("shift", 0.3, 0.01, 0.10, 0.02, done=0.15),
         _mark("shift", 0.5, 0.03, 0.30, 0.04),
-        _mark("shift", 0.4, 0.02, 0.20, 0.06),
+        _mark("shift", 0.4, 0.02, 0.20, 0.06, done=0.1),
         # trainer lending is not a role shift: its offload would skew the medians
         _mark("lend_trainer", 9.0, 5.0, 5.0, 5.0),
     ]
     got = shift_medians(shifts)
-    assert got == pytest.approx({"release": 0.02, "gps_read": 0.2, "register": 0.04, "total": 0.4})
-    assert shift_medians([]) == dict.fromkeys(("release", "gps_read", "register", "total"))
+    # serving: until the receivers serve (0.15, 0.5, 0.3), rebalance: moving sequences to them
+    assert got == pytest.approx(
+        {"release": 0.02, "gps_read": 0.2, "register": 0.04}
+        | {"serving": 0.3, "rebalance": 0.1, "total": 0.4, "shifts": 3}
+    )
+    assert shift_medians([]) == dict.fromkeys(
+        ("release", "gps_read", "register", "serving", "rebalance", "total")
+    ) | {"shifts": 0}
 
 
 def test_migration_medians_per_sequence():
@@ -73,6 +87,19 @@ def test_warmup_steps_are_left_out_of_the_throughput():
     ]
     assert DeploymentRun("pivot", steps, [], [], 0.0, warmup=1).samples_per_s == 10.0
     assert DeploymentRun("pivot", steps, [], [], 0.0).samples_per_s == pytest.approx(30 / 7)
+
+
+def test_shifts_are_measured_in_the_steps_throughput_is():
+    # the monitor's origin is clock 100: the warm-up step ends at 105, the last at 107
+    steps = [
+        SimpleNamespace(samples=10, started_s=t, seconds=d)
+        for t, d in ((100, 5), (105, 1), (106, 1))
+    ]
+    shifts = [_mark("shift", 0.1, 0.01, 0.05, 0.0, t=t) for t in (2.0, 5.5, 6.9, 7.5)]
+    run = DeploymentRun("pivot", steps, shifts, [], 0.0, warmup=1, origin=100.0)
+    assert [m.t for m in run.measured_shifts] == [5.5, 6.9]
+    assert [m.t for m in DeploymentRun("pivot", steps, shifts, [], 0.0, origin=100.0)
+            .measured_shifts] == [2.0, 5.5, 6.9]  # fmt: skip
 
 
 def test_bench_shift_runs_the_time_sharing_baselines(tmp_path):
