@@ -281,6 +281,10 @@ class RoleScheduler:
         self._ids: list[str] = []
         self._load = np.zeros(0, dtype=np.int64)
         self._tokens = np.zeros(0, dtype=np.float64)
+        # when each replica's oldest running sequence was placed (inf: it runs none), kept
+        # as sequences come and go: protection reads it at every dispatch, and a scan of
+        # every replica's sequences there made dispatch O(replicas) in Python
+        self._oldest = np.zeros(0, dtype=np.float64)
         self._pos: dict[str, int] = {}
         self.reprefill_tokens = 0
         self.reprefills = 0
@@ -323,7 +327,13 @@ class RoleScheduler:
             ],
             dtype=np.float64,
         )
+        self._oldest = np.array([self._first_placed(r) for r in self._ids], dtype=np.float64)
         self._remask()
+
+    def _first_placed(self, replica_id: str) -> float:
+        # held keeps dispatch order: its first sequence is its oldest
+        held = self._running[replica_id]
+        return next(iter(held.values())).placed_at if held else np.inf
 
     def _remask(self) -> None:
         if self._unroutable.isdisjoint(self._pos):
@@ -390,7 +400,10 @@ class RoleScheduler:
 
     def _place(self, seq: Sequence, replica_id: str, now: float) -> Dispatch:
         i = self._pos[replica_id]
-        self._running[replica_id][seq.id] = seq
+        held = self._running[replica_id]
+        if not held:
+            self._oldest[i] = now
+        held[seq.id] = seq
         self.changed.add(replica_id)
         self._load[i] += 1
         self._tokens[i] += seq.tokens
@@ -410,19 +423,13 @@ class RoleScheduler:
         most = int(settings.protect_share * len(self._ids))
         if after <= 0 or most < 1:
             return None
-        old: list[tuple[float, int]] = []
-        for i, rid in enumerate(self._ids):
-            held = self._running[rid]
-            if held:
-                # held keeps dispatch order: its first sequence is its oldest
-                placed = next(iter(held.values())).placed_at
-                if now - placed >= after:
-                    old.append((placed, i))
-        if not old:
+        old = np.flatnonzero(now - self._oldest >= after)
+        if not old.size:
             return None
-        old.sort()
+        if old.size > most:  # the oldest first, ties in replica order (a stable sort)
+            old = old[np.argsort(self._oldest[old], kind="stable")[:most]]
         mask = np.zeros(len(self._ids), dtype=bool)
-        mask[[i for _, i in old[:most]]] = True
+        mask[old] = True
         return mask
 
     def dispatch(self, limit: int | None = None, *, now: float = 0.0) -> list[Dispatch]:
@@ -500,6 +507,7 @@ class RoleScheduler:
             self.ledger.move(seq_id, self._owner, expect=Owner.replica(replica_id))
             self.queue.push_aborted(seq)
             out.append(seq)
+        self._oldest[i] = self._first_placed(replica_id)
         self.aborts += len(out)
         return out
 
@@ -519,6 +527,7 @@ class RoleScheduler:
         i = self._pos[replica_id]
         self._load[i] -= 1
         self._tokens[i] -= seq.tokens
+        self._oldest[i] = self._first_placed(replica_id)
         if generated_tokens is not None:
             seq.generated_tokens = generated_tokens
         if seq.session:

@@ -217,6 +217,23 @@ def test_replicas_decoding_the_oldest_sequences_take_no_new_ones():
     assert core.protected(26.0).tolist() == [False, True, True, False]
 
 
+def test_a_replicas_age_is_its_oldest_running_sequences_as_sequences_come_and_go():
+    core = _protecting(after_s=20.0, share=1.0)
+    assert _placed(core, range(4), now=0.0) == ["a", "b", "c", "d"]
+    assert _placed(core, range(10, 14), now=10.0) == ["a", "b", "c", "d"]
+    assert core.protected(25.0).tolist() == [True] * 4
+    core.abort("a", [0])  # its next oldest was placed at 10: 15 s old
+    core.complete("b", 1)
+    core.abort("c", [12])  # not its oldest: still 25 s old
+    assert core.protected(25.0).tolist() == [False, False, True, True]
+    assert core.protected(30.0).tolist() == [True] * 4
+    core.complete("d", 3)
+    core.complete("d", 13)  # empty: no age
+    core.remove_replica("c")  # the others keep their ages through the re-index
+    core.add_replica("e")
+    assert core.protected(30.0).tolist() == [True, True, False, False]
+
+
 def test_protection_waits_for_the_age_and_is_off_at_zero():
     core = _protecting(after_s=20.0, share=0.5)
     _placed(core, range(4), now=0.0)
