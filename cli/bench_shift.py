@@ -25,6 +25,10 @@ that drifts during the bench weighs on every deployment about alike), and report
   per deployment: the median over its rounds, each round's in ``samples_per_s_rounds``.
 * ``pivot_vs_best``: pivot's samples/s over the best static baseline's (null unless both
   ran), and ``best_baseline``, which one that was.
+* ``cpu_busy``: per deployment, the share of the host's CPU time that was busy (any process,
+  from ``/proc/stat``; null elsewhere) over the window ``samples_per_s`` measures, the median
+  over its rounds: what is left of the cores for any deployment to gain (a CPU device is a
+  process, not a core, unless pinned).
 * ``pin_cores``: whether every deployment ran pinned (``cluster.pin_cores``); ``rounds`` and
   ``warmup_steps`` as run.
 
@@ -34,12 +38,15 @@ A key with no observation (e.g. no sequence migrated) is null.
 from __future__ import annotations
 
 import argparse
+import bisect
 import io
 import json
 import statistics
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -57,6 +64,69 @@ DEPLOYMENTS = (DeploymentKind.PIVOT.value, *(k.value for k in BASELINES))
 
 def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
+
+
+def proc_stat_jiffies() -> tuple[int, int] | None:
+    """The host's (busy, total) CPU time so far, in jiffies, from /proc/stat's first line
+    (idle and iowait are not busy); None where there is no /proc/stat."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = sum(fields[3:5])
+    return sum(fields) - idle, sum(fields)
+
+
+class HostCpu:
+    """Samples the host's CPU time every ``interval`` seconds on a thread, stamped with
+    ``clock`` (the job's: time.monotonic), so that the busy share of any window in between
+    can be read afterwards."""
+
+    def __init__(
+        self,
+        interval: float = 0.05,
+        clock: Callable[[], float] = time.monotonic,
+        read: Callable[[], tuple[int, int] | None] = proc_stat_jiffies,
+    ) -> None:
+        self.interval = interval
+        self.clock = clock
+        self.read = read
+        self.samples: list[tuple[float, int, int]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def sample(self) -> None:
+        jiffies = self.read()
+        if jiffies is not None:
+            self.samples.append((self.clock(), *jiffies))
+
+    def __enter__(self) -> HostCpu:
+        def loop() -> None:
+            while not self._stop.wait(self.interval):
+                self.sample()
+
+        self.sample()
+        self._thread = threading.Thread(target=loop, name="host-cpu", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.sample()
+
+    def busy(self, begin: float, end: float) -> float | None:
+        """The busy share of the host's CPU time between the samples nearest ``begin`` and
+        ``end`` (None without two distinct samples in the window)."""
+        times = [t for t, _, _ in self.samples]
+        i = min(bisect.bisect_left(times, begin), len(times) - 1)
+        j = max(bisect.bisect_right(times, end) - 1, 0)
+        if not self.samples or j <= i:
+            return None
+        (_, busy0, total0), (_, busy1, total1) = self.samples[i], self.samples[j]
+        return (busy1 - busy0) / (total1 - total0) if total1 > total0 else None
 
 
 def shift_medians(shifts: list[ShiftMark]) -> dict[str, float | int | None]:
@@ -106,10 +176,13 @@ class DeploymentRun:
         pin_cores: bool = False,
         warmup: int = 0,
         origin: float = 0.0,
+        cpu: HostCpu | None = None,
     ) -> None:
-        """``origin``: the clock reading the shifts' times count from (the monitor's)."""
+        """``origin``: the clock reading the shifts' times count from (the monitor's).
+        ``cpu``: the host's CPU time, sampled while the job ran."""
         self.pin_cores = pin_cores
         self.origin = origin
+        self.cpu = cpu
         self.kind = kind
         self.reports = reports
         self.shifts = shifts
@@ -134,6 +207,14 @@ class DeploymentRun:
         return sum(r.samples for r in self.reports[self.warmup :]) / max(end - begin, 1e-9)
 
     @property
+    def cpu_busy(self) -> float | None:
+        """The host's busy CPU share over the window ``samples_per_s`` measures."""
+        window = self._window()
+        if window is None or self.cpu is None:
+            return None
+        return self.cpu.busy(*window)
+
+    @property
     def measured_shifts(self) -> list:
         """The shifts that finished in the window ``samples_per_s`` measures."""
         window = self._window()
@@ -153,6 +234,8 @@ class Rounds:
         self.pin_cores = runs[0].pin_cores
         self.each = [r.samples_per_s for r in runs]
         self.samples_per_s = statistics.median(self.each)
+        busy = [b for r in runs if (b := r.cpu_busy) is not None]
+        self.cpu_busy = round(statistics.median(busy), 3) if busy else None
         self.shifts = [m for r in runs for m in r.measured_shifts]
         self.migrations = [m for r in runs for m in r.migrations]
         self.wall_s = sum(r.wall_s for r in runs)
@@ -186,7 +269,7 @@ def run_deployment(
     run_dir.mkdir(parents=True, exist_ok=True)
     runner = Job(job, policy, genrm, inputs, run_dir, Console(file=io.StringIO()))
     started = time.perf_counter()
-    with logs_to(run_dir / "actors.log"):
+    with logs_to(run_dir / "actors.log"), HostCpu() as cpu:
         reports, monitor = run_real(runner.run())
     migrations = [m for s in runner.assembly.schedulers.values() for m in s.migrations]
     return DeploymentRun(
@@ -198,6 +281,7 @@ def run_deployment(
         pin_cores=job.cluster.pin_cores,
         warmup=warmup,
         origin=monitor.origin,
+        cpu=cpu,
     )
 
 
@@ -232,6 +316,7 @@ def main(args: argparse.Namespace) -> int:
         "samples_per_s": {k: round(r.samples_per_s, 3) for k, r in runs.items()},
         "samples_per_s_rounds": {k: [round(x, 3) for x in r.each] for k, r in runs.items()},
         **versus_best(runs),
+        "cpu_busy": {k: r.cpu_busy for k, r in runs.items()},
         "pin_cores": pinned,
         "rounds": args.rounds,
         "warmup_steps": args.warmup,
@@ -266,7 +351,11 @@ def main(args: argparse.Namespace) -> int:
     base = runs["pivot"].samples_per_s if pivot_run else None
     for kind, r in runs.items():
         ratio = f"  pivot {base / r.samples_per_s:4.2f}x" if base and kind != "pivot" else ""
-        print(f"  {kind:14s} {r.samples_per_s:6.2f}{ratio}  (wall {r.wall_s:5.1f} s)")
+        busy = "-" if r.cpu_busy is None else f"{r.cpu_busy:.0%}"
+        print(
+            f"  {kind:14s} {r.samples_per_s:6.2f}{ratio}  (host CPU busy {busy}, "
+            f"wall {r.wall_s:5.1f} s)"
+        )
     return 0
 
 

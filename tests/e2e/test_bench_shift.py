@@ -13,8 +13,10 @@ import pytest
 from pivot.actors.scheduler import MigrationTiming
 from pivot.cli.bench_shift import (
     DeploymentRun,
+    HostCpu,
     bench_order,
     migration_medians,
+    proc_stat_jiffies,
     shift_medians,
     versus_best,
 )
@@ -102,6 +104,23 @@ def test_shifts_are_measured_in_the_steps_throughput_is():
             .measured_shifts] == [2.0, 5.5, 6.9]  # fmt: skip
 
 
+def test_the_hosts_busy_share_is_read_between_the_samples_in_a_window():
+    now = [0.0]
+    jiffies = iter([(0, 100), (50, 200), (90, 300), (190, 400), (200, 500)])
+    cpu = HostCpu(clock=lambda: now[0], read=lambda: next(jiffies))
+    for t in (0.0, 1.0, 2.0, 3.0, 4.0):
+        now[0] = t
+        cpu.sample()
+    assert cpu.busy(1.0, 3.0) == pytest.approx(140 / 200)
+    assert cpu.busy(0.5, 3.5) == pytest.approx(140 / 200)  # the samples inside the window
+    assert cpu.busy(2.5, 2.9) is None  # no two samples in it
+    busy, total = proc_stat_jiffies()  # this host's: Linux
+    assert 0 < busy < total
+    run = DeploymentRun("pivot", [SimpleNamespace(samples=1, started_s=0.0, seconds=4.0)],
+                        [], [], 0.0, cpu=cpu)  # fmt: skip
+    assert run.cpu_busy == pytest.approx(200 / 400)
+
+
 def test_bench_shift_runs_the_time_sharing_baselines(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "pivot.cli.main", "bench", "shift", "--steps", "2", "--json"]
@@ -119,6 +138,7 @@ def test_bench_shift_runs_the_time_sharing_baselines(tmp_path):
         "pivot_vs_best",
         "best_baseline",
         "pin_cores",
+        "cpu_busy",
         "samples_per_s_rounds",
         "rounds",
         "warmup_steps",
@@ -128,6 +148,8 @@ def test_bench_shift_runs_the_time_sharing_baselines(tmp_path):
     assert result["rounds"] == 1 and result["warmup_steps"] == 1  # step 1 measured
     assert result["samples_per_s_rounds"] == {k: [v] for k, v in result["samples_per_s"].items()}
     assert all(v > 0 for v in result["samples_per_s"].values())
+    assert set(result["cpu_busy"]) == {"colocated", "rr-colocated"}
+    assert all(0 < v <= 1 for v in result["cpu_busy"].values())
     # both switched stages every step: rollout -> reward (and colocated: -> training) and back
     for kind, least in (("colocated", 5), ("rr-colocated", 3)):
         journal = (tmp_path / kind / "shift.journal").read_bytes()
