@@ -82,6 +82,7 @@ from pivot.deployment import (
     DeploymentKind,
     Split,
     devices_per_host,
+    loop_staleness,
     neighbours,
     plan_deployment,
     replica_unit,
@@ -627,8 +628,7 @@ def simulated_cluster(
         source=WorkloadSource(workload, seed=settings.seed),
         steps=settings.warmup + settings.steps,
         driver=DriverOptions(
-            # colocated devices time-share every stage: its batches cannot overlap
-            staleness=0 if split.kind is DeploymentKind.COLOCATED else settings.staleness,
+            staleness=loop_staleness(split.kind, settings.staleness),
             train_timeout=1e9,
             request_timeout=60.0,
         ),

@@ -79,6 +79,7 @@ from pivot.cli.runconfig import (
 from pivot.cli.tracking import NoTracker, Tracker, open_tracker
 from pivot.cluster import Role, RoleSpec
 from pivot.config import ConfigError, blame_overrides, load_toml
+from pivot.deployment import loop_staleness
 from pivot.engines.checkpoint import (
     DecoderSpec,
     FallbackSpec,
@@ -393,6 +394,7 @@ class Job:
             source=source,
             steps=self.inputs.steps,
             driver=DriverOptions(
+                staleness=loop_staleness(d.kind, job.rollout.staleness),
                 on_step=on_step,
                 announce_batches=True,
                 wait_for_controller=True,

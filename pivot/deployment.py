@@ -56,6 +56,13 @@ class DeploymentError(ValueError):
     """A split or layout that cannot be deployed; the message says why."""
 
 
+def loop_staleness(kind: DeploymentKind | str, staleness: int) -> int:
+    """The batches a deployment's RL loop lets rollout run ahead of training: the job's,
+    but none for colocated, whose devices time-share every stage (its batches cannot
+    overlap, as in the paper's launchers)."""
+    return 0 if DeploymentKind(kind) is DeploymentKind.COLOCATED else staleness
+
+
 class Split(msgspec.Struct, frozen=True, kw_only=True):
     """Devices per pool. ``disaggregated``: rollout, reward, training. ``rr-colocated``:
     shared (rollout -> reward) and training. ``colocated``: shared = every device, training on

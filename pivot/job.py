@@ -109,11 +109,15 @@ class RolloutSection(ConfigStruct):
     """``function``: the rollout function run for every prompt x sample (``pivot.rollout``),
     ``"package.module:name"`` or ``"path/to/file.py:name"`` (relative to the config file); empty:
     one response per prompt (``pivot.rollout.single_turn``). ``gateway``: serve the OpenAI
-    gateway its ``ctx.openai_base_url`` points at (127.0.0.1, an ephemeral port). Sampling
-    keys are each call's defaults."""
+    gateway its ``ctx.openai_base_url`` points at (127.0.0.1, an ephemeral port). ``staleness``:
+    how many batches rollout may run ahead of training (asynchronous RL: batch k is rolled
+    out once step k - staleness - 1 trained, so with 1 the next batch decodes while this one
+    trains; the trainer masks tokens sampled by a policy more than ``staleness`` versions old;
+    0: synchronous, on-policy). Sampling keys are each call's defaults."""
 
     function: str = ""
     gateway: bool = False
+    staleness: Annotated[int, msgspec.Meta(ge=0, le=8)] = 0
     prompts_per_step: Count(1_000_000) = 16
     samples_per_prompt: Count(4096) = 4
     max_new_tokens: Count(1 << 20) = 32

@@ -22,6 +22,7 @@ read the new policy) is ahead by exactly 0: with lr 1e-12 this test fails, 0.276
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -642,3 +643,30 @@ def test_fuzzed_frames_into_every_socket_kill_no_actor_and_change_no_reward(fixe
     print("fuzzed frames:", sent, "undecodable, counted by the actors:", undecodable)
     assert undecodable > 0
     _same_steps(run.reports, fixed_run.reports[:steps], moved=True)
+
+
+def test_an_asynchronous_job_rolls_out_the_next_batch_while_this_one_trains(tmp_path):
+    """rollout.staleness = 1: batch k is rolled out once step k - 2 trained, so each step's
+    rollout overlaps the step before it; every sample is still trained, none masked (its
+    tokens are at most one version old), and the steps end in order."""
+    steps = 3
+    config = _short_job(tmp_path, steps)
+    config.write_text(config.read_text().replace("[rollout]\n", "[rollout]\nstaleness = 1\n"))
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        [*PIVOT, "run", str(config), "--run-dir", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    reports = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in reports] == list(range(steps))
+    ends = [r["started_s"] + r["seconds"] for r in reports]
+    assert ends == sorted(ends)
+    for before, after in itertools.pairwise(reports):
+        assert after["started_s"] < before["started_s"] + before["seconds"]  # they overlap
+    for r in reports:
+        assert r["train"]["sequences"] == r["samples"] == PROMPTS * SAMPLES
+        assert r["train"]["stale_tokens"] == 0
+    assert [r["train"]["version"] for r in reports] == [1, 2, 3]
