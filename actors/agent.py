@@ -322,10 +322,14 @@ class RoleAgent(Actor):
         for engine in self.engines.values():
             if engine is not self.engine:
                 engine.release(SHIFT_CONTEXT)
-        for loader in self.weights.values():
+        for role, loader in self.weights.items():
             prepare = getattr(loader, "prepare", None)
-            if prepare is not None and _small(loader):
+            if prepare is None or not _small(loader):
+                continue
+            try:
                 prepare()
+            except Exception as exc:  # noqa: BLE001 - a head start only: the read will say it
+                self.log.warning("weights not prepared", role=role, error=repr(exc))
         if self.engine is not None and self.scheduler is not None:
             await self._register()
 

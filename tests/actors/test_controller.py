@@ -1079,6 +1079,41 @@ def test_a_store_weights_loader_prepares_before_its_store_has_a_version():
         loader.close()
 
 
+def test_an_agent_whose_weights_cannot_be_prepared_starts_and_its_acquire_says_why():
+    import torch
+
+    from pivot.actors.agent import StoreWeights
+    from pivot.actors.param_store import ParameterStore
+
+    async def main(clock):
+        bus = Bus.local(rl_messages(), transport=LocalTransport(), clock=clock)
+        with ParameterStore() as store:
+            store.write({"w": torch.ones(2)}, version=1)
+            # the engine's weights are named otherwise than the store's
+            loader = StoreWeights(store.name, like={"x": torch.zeros(2)})
+            agent = RoleAgent(
+                "agent-0",
+                bus,
+                device=0,
+                engines={"rollout": scripted_engine()},
+                weights={"rollout": loader},
+                stepping=Inline(),
+            )
+            client = Actor("client", bus)
+            await agent.start()  # preparing failed: a warning, not a dead agent
+            await client.start()
+            with pytest.raises(RemoteError, match="'x'"):
+                await client.request(
+                    "agent-0", Acquire(role=Role.ROLLOUT, replica="rollout@0", devices=[0])
+                )
+            assert agent.state().role is Role.FREE
+            await client.stop()
+            await agent.stop()
+            loader.close()
+
+    run_virtual(main)
+
+
 def test_a_member_of_a_multi_device_replica_holds_the_role_without_an_engine():
     async def main(clock):
         bus = Bus.local(rl_messages(), transport=LocalTransport(), clock=clock)
