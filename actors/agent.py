@@ -198,12 +198,11 @@ class StoreWeights:
         from pivot.actors.param_store import StoreError
 
         buffers = self._host_buffers()
-        for t in buffers.values():
-            t.zero_()
         try:
             self._open().read(buffers)
-        except StoreError:
-            pass  # no store or no version yet: the first read maps and plans
+        except StoreError:  # no store or no version yet: the first read maps and plans
+            for t in buffers.values():
+                t.zero_()  # touch the pages the read would have
 
     def _host_buffers(self) -> dict[str, Any]:
         if self._buffers is None:

@@ -121,9 +121,9 @@ class HostCpu:
         """The busy share of the host's CPU time between the samples nearest ``begin`` and
         ``end`` (None without two distinct samples in the window)."""
         times = [t for t, _, _ in self.samples]
-        i = min(bisect.bisect_left(times, begin), len(times) - 1)
-        j = max(bisect.bisect_right(times, end) - 1, 0)
-        if not self.samples or j <= i:
+        i = bisect.bisect_left(times, begin)
+        j = bisect.bisect_right(times, end) - 1
+        if j <= i:
             return None
         (_, busy0, total0), (_, busy1, total1) = self.samples[i], self.samples[j]
         return (busy1 - busy0) / (total1 - total0) if total1 > total0 else None
