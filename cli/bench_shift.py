@@ -333,7 +333,10 @@ def main(args: argparse.Namespace) -> int:
         kinds_seen: dict[str, int] = {}
         for m in pivot_run.shifts:
             kinds_seen[m.kind] = kinds_seen.get(m.kind, 0) + 1
-        print(f"pivot shifts: {kinds_seen}; migrated sequences: {len(pivot_run.migrations)}")
+        print(
+            f"pivot shifts in the measured steps: {kinds_seen}; "
+            f"migrated sequences: {len(pivot_run.migrations)}"
+        )
         print(
             f"shift latency (median over the {result['shift_s']['shifts']} rollout<->reward "
             "shifts of the measured steps)"
