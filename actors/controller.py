@@ -26,10 +26,12 @@
   that with the time the last reclaim of the pool took, so the planner can reclaim it early.
 * Gradient helpers: while the trainer trains (seen so at two ticks in a row, so that a batch
   the step's start admitted is in the queues), the planner's ``helpers`` names the inference
-  replicas with nothing to run until the step ends; the Controller offers them to the trainer
-  (``HelpTrainer``), cuts the routing to those it took, and routes to them again when the
-  trainer says the step is over (``HelpEnded``, before the step's reply), or when it sees the
-  step over; a restore that fails is sent again at every tick (``helping`` names both).
+  replicas with nothing to run until the step ends (in a trainer-bound run also the lightest
+  busy reward replicas, with where their judgments go); the Controller offers them to the
+  trainer (``HelpTrainer``), cuts the routing to those it took, moves the judgments of a
+  packed one it took (``Rebalance``), and routes to them again when the trainer says the step
+  is over (``HelpEnded``, before the step's reply), or when it sees the step over; a restore
+  that fails is sent again at every tick (``helping`` names both).
   While helpers are out it plans no shift, so that no migration sends a helper work (what is
   left then is the batch tails: measured, the helpers gain more than the planner's moves of
   the tails).
@@ -109,7 +111,7 @@ from pivot.cluster import INFERENCE_ROLES, Allocation, ClusterSpec, Move, Role
 from pivot.config import ConfigStruct, PositiveInt, Seconds
 from pivot.planning.forecast import ReclaimLead
 from pivot.planning.planner import Planner, PlannerSettings
-from pivot.planning.plans import Decision, ShiftPlan, ShiftPolicy
+from pivot.planning.plans import Decision, HelperOffer, ShiftPlan, ShiftPolicy
 from pivot.planning.snapshot import ClusterSnapshot, QueueState, ReplicaState, TrainerPhase
 from pivot.retry import RetriesExhausted
 from pivot.shift import (
@@ -405,16 +407,18 @@ class Controller(Actor):
         if not training:
             await self._helpers_back(list(self._helping))  # (no HelpEnded came: say, a restart)
         elif was and self.trainer is not None:
-            offered = self.planner.helpers(snapshot, self._helping)
-            if offered:
-                await self._offer_helpers(offered)
+            offer = self.planner.helpers(snapshot, self._helping)
+            if offer.replicas:
+                await self._offer_helpers(offer)
         return bool(self._helping)
 
-    async def _offer_helpers(self, offered: Sequence[ReplicaState]) -> None:
+    async def _offer_helpers(self, offer: HelperOffer) -> None:
         """Offer first, cut the routing to those taken after: nothing can reach them before
         the step ends (``pivot.planning.helpers``), and a replica the step does not take is
-        never cut. A cut that fails leaves the helper routable, and still helping."""
+        never cut. A cut that fails leaves the helper routable, and still helping. The
+        sequences of a packed tail the step took then move where the offer says."""
         assert self.trainer is not None
+        offered = offer.replicas
         helpers = [GradientHelper(r.id, r.role.value, list(r.devices)) for r in offered]
         for r in offered:  # (a HelpEnded that overtakes the reply finds them)
             self._helping[r.id] = r.role
@@ -427,6 +431,14 @@ class Controller(Actor):
                 self._helping.pop(r.id, None)
             elif r.id in self._helping:
                 await self._send(CutRoute(r.role, r.id))
+        for role in INFERENCE_ROLES:
+            moves = tuple(
+                m
+                for m in offer.migrations
+                if m.source in taken and self._helping.get(m.source) is role
+            )
+            if moves:
+                await self._send(Rebalance(role, moves))
         if taken:
             self.helpers_joined += len(taken)
             self.log.info(

@@ -1332,6 +1332,7 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "no-lead-correction": {"reclaim_lead_gain": 0.0},
     "no-gradient-helpers": {"gradient_helpers": False},
     "no-trainer-bound-helpers": {"trainer_bound_share": 1.0},
+    "no-tail-packing": {"pack_tails": False},
     "no-rollout-floor": {"rollout_floor": False},
     "no-protection": {"protect_oldest": False},
 }

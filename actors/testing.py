@@ -70,9 +70,9 @@ from pivot.deployment import Deployment, Placement
 from pivot.engines.conformance import ConformanceError, EngineFactory, check_engine
 from pivot.engines.scripted import ScriptedEngine
 from pivot.planning import scenarios
-from pivot.planning.plans import Decision, DoneShift, ShiftPolicy
+from pivot.planning.plans import Decision, DoneShift, HelperOffer, ShiftPolicy
 from pivot.planning.routing import check_ownership
-from pivot.planning.snapshot import ClusterSnapshot, ReplicaState
+from pivot.planning.snapshot import ClusterSnapshot
 
 __all__ = [
     "Abort",
@@ -292,9 +292,7 @@ class _CheckedPolicy:
     def observe_decode(self, role: Role, running: int, tokens: int, itl_s: float) -> None:
         self.inner.observe_decode(role, running, tokens, itl_s)
 
-    def helpers(
-        self, snapshot: ClusterSnapshot, helping: Collection[str] = ()
-    ) -> tuple[ReplicaState, ...]:
+    def helpers(self, snapshot: ClusterSnapshot, helping: Collection[str] = ()) -> HelperOffer:
         return self.inner.helpers(snapshot, helping)
 
     def decide(self, snapshot: ClusterSnapshot) -> Decision:

@@ -86,6 +86,7 @@ ABLATION_NAMES = (
     "no-lead-correction",
     "no-gradient-helpers",
     "no-trainer-bound-helpers",
+    "no-tail-packing",
     "no-rollout-floor",
     "no-protection",
     "rule-based",

@@ -72,13 +72,19 @@ from pivot.planning.evaluation import (
     objective,
     simulate_role,
 )
-from pivot.planning.helpers import TrainerLoad, idle_until_step_ends
+from pivot.planning.helpers import (
+    RoleCapacity,
+    TrainerLoad,
+    idle_until_step_ends,
+    packed_tails,
+)
 from pivot.planning.moves import MoveLearning, MoveLedger
 from pivot.planning.plans import (
     TRAINER_ID,
     CandidateScore,
     Decision,
     DoneShift,
+    HelperOffer,
     PhaseTimings,
     SequenceMigration,
     ShiftPlan,
@@ -129,6 +135,10 @@ class PlannerSettings(ConfigStruct, kw_only=True):
     # replica helps while another serves (pivot.planning.helpers). 1: never
     trainer_bound_share: UnitInterval = 0.8
     trainer_bound_window_s: PositiveFloat = 900.0
+    # in a trainer-bound run, also offer the lightest busy reward replicas while no judgment
+    # queues, their sequences moved onto the others within the latency floor's slack
+    # (pivot.planning.helpers.packed_tails)
+    pack_tails: bool = True
     # rollout latency floor: the critical (longest) response decodes at its replica's ITL,
     # which grows with the sequences and tokens it shares the replica with. The floor is the
     # fewest rollout replicas at which one holding the mean load decodes within
@@ -756,15 +766,23 @@ class Planner:
         if shifts:
             self.last_action_at = shifts[-1].started_at
 
-    def helpers(
-        self, snapshot: ClusterSnapshot, helping: Collection[str] = ()
-    ) -> tuple[ReplicaState, ...]:
+    def helpers(self, snapshot: ClusterSnapshot, helping: Collection[str] = ()) -> HelperOffer:
         """The inference replicas to offer the train step in flight as gradient helpers
-        (``pivot.planning.helpers``); none with ``gradient_helpers`` off."""
+        (``pivot.planning.helpers``): the idle ones, and in a trainer-bound run the reward
+        tails it packs; none with ``gradient_helpers`` off."""
         self.trainer_load.observe(snapshot)
         if not self.settings.gradient_helpers:
-            return ()
-        return idle_until_step_ends(snapshot, helping, trainer_bound=self._trainer_bound())
+            return HelperOffer()
+        bound = self._trainer_bound()
+        idle = idle_until_step_ends(snapshot, helping, trainer_bound=bound)
+        if not (bound and self.settings.pack_tails):
+            return HelperOffer(idle)
+        reward = RoleCapacity(
+            self.cost_models[Role.REWARD], self.routers[Role.REWARD].max_concurrent_per_replica
+        )
+        offered = [*helping, *(r.id for r in idle)]
+        packed = packed_tails(snapshot, offered, reward, self.settings.floor_itl_slack)
+        return HelperOffer(idle + packed.replicas, packed.migrations)
 
     def _trainer_bound(self) -> bool:
         bound = self.settings.trainer_bound_share

@@ -40,6 +40,14 @@ class SequenceMigration(msgspec.Struct, frozen=True):
     target: str | None
 
 
+class HelperOffer(NamedTuple):
+    """What to offer the train step in flight: ``replicas``, idle or to be emptied by
+    ``migrations`` (each a sequence of an offered replica and the replica it moves to)."""
+
+    replicas: tuple[ReplicaState, ...] = ()
+    migrations: tuple[SequenceMigration, ...] = ()
+
+
 class ShiftPlan(msgspec.Struct, frozen=True, kw_only=True):
     kind: Literal["shift", "lend_trainer", "reclaim_trainer"]
     receiver: Role  # the role that gains devices (FREE when the trainer lends its pool)
@@ -94,9 +102,7 @@ class ShiftPolicy(Protocol):
         """One measured decode iteration of a ``role`` replica (see ``Planner.observe_decode``)."""
         ...
 
-    def helpers(
-        self, snapshot: ClusterSnapshot, helping: Collection[str] = ()
-    ) -> tuple[ReplicaState, ...]:
+    def helpers(self, snapshot: ClusterSnapshot, helping: Collection[str] = ()) -> HelperOffer:
         """The inference replicas to offer the train step in flight as gradient helpers
         (see ``Planner.helpers``); ``helping``: those out already."""
         ...

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 
 from pivot.cluster import INFERENCE_ROLES, ClusterSpec, Move, Role, other_inference_role, replica_id
-from pivot.planning.plans import TRAINER_ID, Decision, DoneShift, ShiftPlan
-from pivot.planning.snapshot import ClusterSnapshot, ReplicaState, TrainerPhase
+from pivot.planning.plans import TRAINER_ID, Decision, DoneShift, HelperOffer, ShiftPlan
+from pivot.planning.snapshot import ClusterSnapshot, TrainerPhase
 
 
 class StagePolicy:
@@ -38,11 +38,9 @@ class StagePolicy:
     def observe_decode(self, role: Role, running: int, tokens: int, itl_s: float) -> None:
         """Stages switch on demand alone: latencies change nothing."""
 
-    def helpers(
-        self, snapshot: ClusterSnapshot, helping: Collection[str] = ()
-    ) -> tuple[ReplicaState, ...]:
+    def helpers(self, snapshot: ClusterSnapshot, helping: Collection[str] = ()) -> HelperOffer:
         """A time-sharing baseline trains on every device it has: no gradient helpers."""
-        return ()
+        return HelperOffer()
 
     def decide(self, snapshot: ClusterSnapshot) -> Decision:
         if snapshot.shift_in_flight:

@@ -789,6 +789,38 @@ def test_idle_replicas_help_the_trainer_the_run_is_shorter_and_the_account_sums(
     assert 0 < helped.bound_fractions()["combined"] <= 1
 
 
+def test_a_trainer_bound_run_empties_its_lightest_tails_into_helpers(tmp_path):
+    # the slow trainer of the test above, responses of spread lengths so that batches end in
+    # tails, and the split held: the only sequences that move are packed tails
+    workload = toy_workload(
+        tmp_path,
+        prompts=4,
+        samples=4,
+        sigma=0.8,
+        response=400,
+        hardware={"peak_bf16_tflops": 0.001, "train_mfu": 0.5},
+    )
+
+    def run(**planner):
+        planner = {"shift_roles": False, "trainer_bound_window_s": 5.0, **planner}
+        settings = SimulationSettings(steps=4, check="tick", planner=PlannerSettings(**planner))
+        return simulate(workload, _pivot(workload), settings, journal_dir=tmp_path / "j")
+
+    packed, alone = run(), run(pack_tails=False)
+    assert alone.migration.aborted == 0
+    assert packed.migration.aborted > 0  # tails moved onto fewer replicas...
+
+    def helped_s(result):  # device-seconds the helpers computed
+        spans = [h for t in result.trains for h in t.helpers]
+        return sum(len(h.devices) * (h.reduced_at - h.ready_at) for h in spans)
+
+    assert helped_s(packed) > helped_s(alone)  # ...and the emptied ones helped sooner
+    # nothing lost: every step trained all its samples, the invariants held at every tick
+    for result in (packed, alone):
+        assert [s.samples for s in result.steps] == [16] * 4
+        assert result.checks > 0
+
+
 def test_the_trainer_pool_is_reclaimed_before_its_batch_is_scored(tmp_path):
     """Batches 0..2 run at once (staleness 2): batch 2's tail prices batch 3's, and the first
     reclaim's time says how early to start, so the pool comes back for batch 3 before it is

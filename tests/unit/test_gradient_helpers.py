@@ -43,7 +43,7 @@ def idle(trainer=TrainerPhase.TRAINING, ro0=0, rm1=0, **kw):
 
 def offered(snap, planner=None, **kw):
     planner = planner or Planner(SPEC, MODELS)
-    return [r.id for r in planner.helpers(msgspec.structs.replace(snap, **kw))]
+    return [r.id for r in planner.helpers(msgspec.structs.replace(snap, **kw)).replicas]
 
 
 def test_the_planner_offers_idle_replicas_only_to_a_backend_that_takes_helpers():
@@ -51,7 +51,7 @@ def test_the_planner_offers_idle_replicas_only_to_a_backend_that_takes_helpers()
     assert offered(idle(), **takes) == ["ro0", "ro1", "rm0", "rm1"]
     planner = Planner(SPEC, MODELS)
     helping = planner.helpers(msgspec.structs.replace(idle(), **takes), helping={"ro1"})
-    assert [r.id for r in helping] == ["ro0", "rm0", "rm1"]
+    assert [r.id for r in helping.replicas] == ["ro0", "rm0", "rm1"]
     # a backend that cannot take helpers (DeepSpeed's) is never offered any
     assert offered(idle()) == []
     # an idle rollout replica helps beside a rollout tail; reward only once rollout is done
@@ -100,3 +100,54 @@ def test_a_trainer_bound_run_lends_idle_reward_replicas_beside_a_serving_one():
         offered(tail, never, now=float(now), **takes)
     assert never.trainer_load.share == pytest.approx(1.0, abs=0.01)
     assert offered(tail, never, now=5000.0, **takes) == ["ro1"]
+
+
+def trainer_bound(planner: Planner, snap) -> Planner:
+    """``planner`` after the trainer trained for 1900 s (share > 0.8: trainer-bound)."""
+    for now in range(100, 2000, 100):
+        planner.helpers(msgspec.structs.replace(snap, now=float(now)))
+    assert planner.trainer_load.share > 0.8
+    return planner
+
+
+def tails(ro0=1, ro1=3, rm0=1, rm1=3, tokens=2000, **kw):
+    reps = (
+        replica("ro0", Role.ROLLOUT, (0,), running=ro0, tokens=tokens),
+        replica("ro1", Role.ROLLOUT, (1,), running=ro1, tokens=tokens),
+        replica("rm0", Role.REWARD, range(4, 8), running=rm0, tokens=tokens),
+        replica("rm1", Role.REWARD, range(8, 12), running=rm1, tokens=tokens),
+        training(SPEC),
+    )
+    snap = snapshot(*reps, trainer=TrainerPhase.TRAINING, now=2000.0, **kw)
+    return msgspec.structs.replace(snap, trainer_takes_helpers=True)
+
+
+def test_a_trainer_bound_run_packs_the_lightest_reward_tails_onto_the_others_within_the_floor():
+    snap = tails()
+    planner = trainer_bound(Planner(SPEC, MODELS), snap)
+    offer = planner.helpers(snap)
+    # rm0's one judgment moves onto rm1; rollout tails stay where they run
+    assert [r.id for r in offer.replicas] == ["rm0"]
+    assert [(m.seq_id, m.source, m.target) for m in offer.migrations] == [
+        (snap.replicas[2].seq_ids[0], "rm0", "rm1")
+    ]
+    # the last busy reward replica keeps its judgments: nowhere to move them
+    assert planner.helpers(tails(rm0=0)).migrations == ()
+    # nor does one whose judgments would take another beyond the floor's slack of one
+    # sequence alone (the reward model's ITL grows past it at this many sequences)
+    model = MODELS[Role.REWARD]
+    limit = 1.4 * model.itl_one(1, 2000)
+    full = next(n for n in range(1, 512) if model.itl_one(n + 1, 2000 * (n + 1)) > limit)
+    assert planner.helpers(tails(rm1=full - 1)).migrations != ()
+    assert planner.helpers(tails(rm1=full)).migrations == ()
+    # nor while judgments queue, or responses do
+    assert planner.helpers(tails(reward_queue=(1, 100))) == ((), ())
+    assert planner.helpers(tails(rollout_queue=(1, 100))) == ((), ())
+
+
+def test_reward_tails_are_packed_only_in_a_trainer_bound_run_and_with_the_mechanism_on():
+    snap = tails()
+    assert Planner(SPEC, MODELS).helpers(snap).migrations == ()  # not trainer-bound yet
+    off = trainer_bound(Planner(SPEC, MODELS, PlannerSettings(pack_tails=False)), snap)
+    assert off.helpers(snap).migrations == ()
+    assert trainer_bound(Planner(SPEC, MODELS), snap).helpers(snap).migrations != ()
