@@ -22,14 +22,16 @@ out, so no migration sends them work either.) A replica already helping is not o
 run the trainer's step is on the critical path and the judgments trickle in as responses end,
 each reward replica running a few. Then the lightest busy reward replicas are offered too,
 while no judgment queues, with where each of their sequences goes: onto the other busy reward
-replicas, each still decoding within ``floor_itl_slack`` of one sequence of the mean context
-alone (the rollout latency floor's rule). The Controller cuts the routing to those the step
-takes and moves their sequences (``Rebalance``); one the step refuses keeps them. Measured
-(simulated, 32B group, shared64/pool64, round-robin, split held, 63 steps, seed 0): 4.936 ->
-5.125 samples/s (0.863 -> 0.895 of the combined bound). Rollout tails are not packed: packing
-them as well gave 4.976, rollout alone 4.916 (their re-prefill, at the policy's prefill rate,
-cost 43k device-seconds, and the trainer waited 2.5x longer for its batches: the longest
-responses are the batch's critical path). Pure.
+replicas, each still decoding within ``pack_itl_slack`` of one sequence of the mean context
+alone (the rule of the rollout's latency floor, ``floor_itl_slack``). The Controller cuts the
+routing to those the step takes and moves their sequences (``Rebalance``); one the step
+refuses keeps them. Measured (simulated, 32B group, shared64/pool64, round-robin, split held,
+63 steps): seed 0 4.936 -> 5.162 samples/s (0.863 -> 0.901 of the combined bound), seed 1
+4.900 -> 5.032 (0.879 -> 0.902). The slack: 0.4 gave 5.125 / 5.007, 1.5 gave 5.133 (seed 0).
+Rollout tails are not packed: packing them as well gave 4.976 (slack 0.4, seed 0), rollout
+alone 4.916 (their re-prefill, at the policy's prefill rate, cost 43k device-seconds, and the
+trainer waited 2.5x longer for its batches: the longest responses are the batch's critical
+path). Pure.
 """
 
 from __future__ import annotations

@@ -136,9 +136,10 @@ class PlannerSettings(ConfigStruct, kw_only=True):
     trainer_bound_share: UnitInterval = 0.8
     trainer_bound_window_s: PositiveFloat = 900.0
     # in a trainer-bound run, also offer the lightest busy reward replicas while no judgment
-    # queues, their sequences moved onto the others within the latency floor's slack
-    # (pivot.planning.helpers.packed_tails)
+    # queues, their sequences moved onto the others where each still decodes within
+    # ``pack_itl_slack`` of one sequence alone (pivot.planning.helpers.packed_tails)
     pack_tails: bool = True
+    pack_itl_slack: PositiveFloat = 0.8
     # rollout latency floor: the critical (longest) response decodes at its replica's ITL,
     # which grows with the sequences and tokens it shares the replica with. The floor is the
     # fewest rollout replicas at which one holding the mean load decodes within
@@ -781,7 +782,7 @@ class Planner:
             self.cost_models[Role.REWARD], self.routers[Role.REWARD].max_concurrent_per_replica
         )
         offered = [*helping, *(r.id for r in idle)]
-        packed = packed_tails(snapshot, offered, reward, self.settings.floor_itl_slack)
+        packed = packed_tails(snapshot, offered, reward, self.settings.pack_itl_slack)
         return HelperOffer(idle + packed.replicas, packed.migrations)
 
     def _trainer_bound(self) -> bool:

@@ -133,10 +133,10 @@ def test_a_trainer_bound_run_packs_the_lightest_reward_tails_onto_the_others_wit
     ]
     # the last busy reward replica keeps its judgments: nowhere to move them
     assert planner.helpers(tails(rm0=0)).migrations == ()
-    # nor does one whose judgments would take another beyond the floor's slack of one
+    # nor does one whose judgments would take another beyond the packing slack of one
     # sequence alone (the reward model's ITL grows past it at this many sequences)
     model = MODELS[Role.REWARD]
-    limit = 1.4 * model.itl_one(1, 2000)
+    limit = (1 + PlannerSettings().pack_itl_slack) * model.itl_one(1, 2000)
     full = next(n for n in range(1, 512) if model.itl_one(n + 1, 2000 * (n + 1)) > limit)
     assert planner.helpers(tails(rm1=full - 1)).migrations != ()
     assert planner.helpers(tails(rm1=full)).migrations == ()
