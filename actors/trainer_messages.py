@@ -126,8 +126,9 @@ class GradientHelper(msgspec.Struct, frozen=True):
 
 
 class HelpTrainer(RLMessage, kw_only=True):
-    """Controller -> trainer: these replicas hold no sequence and none can reach them before
-    the step in flight ends; compute gradients for it. Reply: ``Helping``."""
+    """Controller -> trainer: these replicas hold no sequence (or, packed tails, hold ones the
+    Controller moves elsewhere once the step takes them) and none can reach them before the
+    step in flight ends; compute gradients for it. Reply: ``Helping``."""
 
     helpers: list[GradientHelper]
 

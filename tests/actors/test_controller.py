@@ -52,6 +52,8 @@ from pivot.actors.shift_messages import (
     TrainerPhaseChanged,
 )
 from pivot.actors.trainer_messages import (
+    Helping,
+    HelpTrainer,
     OffloadTrainer,
     QueryTrainer,
     ReloadTrainer,
@@ -134,6 +136,8 @@ class FakeTrainer(Actor):
         self.state = "idle"
         self.calls: list[str] = []
         self.holds_pool = True
+        self.takes: set[str] | None = None  # the helpers a step takes (None: takes none)
+        self.offered: list[str] = []
 
     def lend(self) -> None:
         self.state, self.holds_pool = "offloaded", False
@@ -148,7 +152,14 @@ class FakeTrainer(Actor):
             steps=0,
             store=None,
             holds_pool=self.holds_pool,
+            takes_helpers=self.takes is not None,
         )
+
+    @handles
+    def help(self, msg: HelpTrainer) -> Helping:
+        self.offered += [h.replica for h in msg.helpers]
+        taken = [h.replica for h in msg.helpers if h.replica in (self.takes or ())]
+        return Helping(replicas=taken, version=1)
 
     @handles
     def query(self, msg: QueryTrainer) -> TrainerStatus:
@@ -577,6 +588,57 @@ def test_trainer_pool_is_lent_then_reclaimed_whole(tmp_path):
         cluster.check_outputs()
         cluster.check_owners()
         assert cluster.problems() == []
+        await cluster.stop()
+
+    run_virtual(main)
+
+
+@pytest.mark.parametrize("taken", [True, False])
+def test_a_packed_reward_tail_moves_its_judgments_only_once_the_step_takes_it(tmp_path, taken):
+    """A trainer-bound run (time constant 0.1 s) offers the lighter of two busy reward
+    replicas: taken, its routing is cut and its judgments finish on the other; refused, it
+    keeps them and stays routable."""
+
+    async def main(clock):
+        spec = trainer_cluster()
+        layout = {
+            0: ("reward", "reward@0", (0,)),
+            1: ("reward", "reward@1", (1,)),
+            2: ("training", "trainer", (2, 3)),
+            3: ("training", "trainer", (2, 3)),
+        }
+        cluster = Cluster(clock, spec, layout, trainer=True)
+        trainer = cluster.trainer
+        trainer.takes = {"reward@0", "reward@1"} if taken else set()
+        await cluster.start()
+        await cluster.submit("reward", 0, 3, 400)
+        await cluster.until(
+            lambda: all(cluster.agents[d].state().running for d in (0, 1)), "both judging"
+        )
+        light = min((0, 1), key=lambda d: len(cluster.agents[d].state().running))
+        moved = set(cluster.agents[light].state().running)
+        other = 1 - light
+        trainer.state = "training"
+        kwargs = cluster.controller_kwargs(open_journal(tmp_path / "journal"))
+        settings = PlannerSettings(trainer_bound_window_s=0.1, lend_trainer_pool=False)
+        kwargs["policy"] = Planner(spec, {Role.ROLLOUT: MODEL, Role.REWARD: MODEL}, settings)
+        cluster.controller = controller = Controller("controller", cluster.bus, **kwargs)
+        await controller.start()
+        await cluster.until(lambda: f"reward@{light}" in trainer.offered, "the tail offered")
+        await clock.sleep(0.2)
+        cut = cluster.schedulers[Role.REWARD].cut
+        if taken:
+            assert cut == {f"reward@{light}"}
+            assert not cluster.agents[light].state().running
+            assert moved <= set(cluster.agents[other].state().running)
+        else:
+            assert not cut and set(cluster.agents[light].state().running) == moved
+        trainer.state = "idle"  # the step over: routed to again
+        await cluster.until(lambda: not cluster.schedulers[Role.REWARD].cut, "routes restored")
+        await cluster.until_done()
+        cluster.check_outputs()
+        cluster.check_owners()
+        assert bool(cluster.reprefills("reward")) is taken
         await cluster.stop()
 
     run_virtual(main)
