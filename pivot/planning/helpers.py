@@ -37,7 +37,6 @@ path). Pure.
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import NamedTuple
 
 import numpy as np
 
@@ -45,13 +44,6 @@ from pivot.cluster import INFERENCE_ROLES, Role
 from pivot.planning.cost import CostModel
 from pivot.planning.plans import HelperOffer, SequenceMigration
 from pivot.planning.snapshot import ClusterSnapshot, ReplicaState, TrainerPhase
-
-
-class RoleCapacity(NamedTuple):
-    """What packing needs of a role: its decode cost and how many sequences a replica runs."""
-
-    cost: CostModel
-    max_running: int
 
 
 class TrainerLoad:
@@ -109,29 +101,33 @@ def idle_until_step_ends(
 
 
 def packed_tails(
-    snapshot: ClusterSnapshot, helping: Collection[str], reward: RoleCapacity, slack: float
+    snapshot: ClusterSnapshot,
+    helping: Collection[str],
+    cost: CostModel,
+    max_running: int,
+    slack: float,
 ) -> HelperOffer:
     """The busy reward replicas a trainer-bound run may empty to help the step in flight,
-    lightest first, and where their sequences go (see the module docstring). Only while idle
-    replicas may help too and no judgment queues."""
+    lightest first, and where their sequences go (see the module docstring); ``cost`` and
+    ``max_running``: a reward replica's. Only while idle replicas may help too and no
+    judgment queues."""
     if not _step_may_take_helpers(snapshot) or snapshot.reward_queue.length:
         return HelperOffer()
     busy = [
         r for r in snapshot.replicas if r.role is Role.REWARD and r.running and r.id not in helping
     ]
-    victims, moves = _pack(busy, reward, slack)
+    victims, moves = _pack(busy, cost, max_running, slack)
     return HelperOffer(tuple(victims), tuple(moves))
 
 
 def _pack(
-    busy: list[ReplicaState], capacity: RoleCapacity, slack: float
+    busy: list[ReplicaState], cost: CostModel, max_running: int, slack: float
 ) -> tuple[list[ReplicaState], list[SequenceMigration]]:
     """Empty the lightest of ``busy`` one after another while the others take each of its
     sequences (longest first, each onto the replica it slows least) within the latency limit;
     stop at the first that does not fit."""
     if len(busy) < 2:
         return [], []
-    cost = capacity.cost
     running = np.array([r.running for r in busy], dtype=np.float64)
     tokens = np.array([sum(r.seq_tokens) for r in busy], dtype=np.float64)
     limit = (1.0 + slack) * cost.itl_one(1, float(tokens.sum() / running.sum()))
@@ -147,7 +143,7 @@ def _pack(
         for seq_id, seq_tokens in sorted(
             zip(busy[i].seq_ids, busy[i].seq_tokens, strict=True), key=lambda s: -s[1]
         ):
-            fits = open_ & (took_running < capacity.max_running)
+            fits = open_ & (took_running < max_running)
             after = np.where(fits, cost.itl(took_running + 1, took_tokens + seq_tokens), np.inf)
             j = int(np.argmin(after))
             if after[j] > limit:

@@ -72,12 +72,7 @@ from pivot.planning.evaluation import (
     objective,
     simulate_role,
 )
-from pivot.planning.helpers import (
-    RoleCapacity,
-    TrainerLoad,
-    idle_until_step_ends,
-    packed_tails,
-)
+from pivot.planning.helpers import TrainerLoad, idle_until_step_ends, packed_tails
 from pivot.planning.moves import MoveLearning, MoveLedger
 from pivot.planning.plans import (
     TRAINER_ID,
@@ -778,11 +773,13 @@ class Planner:
         idle = idle_until_step_ends(snapshot, helping, trainer_bound=bound)
         if not (bound and self.settings.pack_tails):
             return HelperOffer(idle)
-        reward = RoleCapacity(
-            self.cost_models[Role.REWARD], self.routers[Role.REWARD].max_concurrent_per_replica
+        packed = packed_tails(
+            snapshot,
+            helping,
+            self.cost_models[Role.REWARD],
+            self.routers[Role.REWARD].max_concurrent_per_replica,
+            self.settings.pack_itl_slack,
         )
-        offered = [*helping, *(r.id for r in idle)]
-        packed = packed_tails(snapshot, offered, reward, self.settings.pack_itl_slack)
         return HelperOffer(idle + packed.replicas, packed.migrations)
 
     def _trainer_bound(self) -> bool:
