@@ -127,6 +127,22 @@ class EvalReport(msgspec.Struct, frozen=True, kw_only=True):
     scores: Scores
 
 
+class CriticalSample(msgspec.Struct, frozen=True, kw_only=True):
+    """A step's sample scored last: the one its batch waited for before training. Its times
+    are seconds: when its rollout began after the step's submission, how long the rollout
+    took (every generate call of it), and from the rollout's end to its score (the GenRM's
+    queue, prefill and decode; a reward function's time)."""
+
+    seq_id: int
+    rollout_start_s: float
+    response_s: float
+    judgment_s: float
+    prompt_tokens: int
+    response_tokens: int
+    judge_prompt_tokens: int  # 0: no GenRM judged it
+    judgment_tokens: int
+
+
 class StepReport(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="step"):
     """One step, as metrics.jsonl holds it (``"type": "step"``; docs/metrics.md)."""
 
@@ -155,6 +171,7 @@ class StepReport(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", ta
     # the trainer group died since the step before and came back so (the step was trained,
     # once, by the group that came back)
     trainer_restart: TrainerRestart | None = None
+    critical: CriticalSample | None = None  # None: no sample was scored
 
 
 class _Batch:
@@ -180,6 +197,8 @@ class _Batch:
         self.started = 0.0
         self.submitted = False
         self.last_response_at = 0.0
+        # the sample scored last: its rollout's start and end, its judge's prompt tokens, when scored
+        self.last_scored: tuple[Sample, float, float, int, float] | None = None
         self.done = asyncio.Event()  # every rollout returned and every sample scored
 
     def completed(self, role: str, completion: Completion, now: float) -> None:
@@ -195,6 +214,21 @@ class _Batch:
     def settle(self) -> None:
         if self.submitted and not self.open_rollouts and self.scored == len(self.samples):
             self.done.set()
+
+    def critical(self) -> CriticalSample | None:
+        if self.last_scored is None:
+            return None
+        sample, began, ended, judge_prompt, scored_at = self.last_scored
+        return CriticalSample(
+            seq_id=sample.seq_id,
+            rollout_start_s=began - self.started,
+            response_s=ended - began,
+            judgment_s=scored_at - ended,
+            prompt_tokens=len(sample.prompt_ids),
+            response_tokens=len(sample.response_ids),
+            judge_prompt_tokens=judge_prompt,
+            judgment_tokens=len(sample.judgment.token_ids) if sample.judgment is not None else 0,
+        )
 
 
 class _Account:
@@ -425,6 +459,7 @@ class Driver(Actor):
     async def _rollout(self, batch: _Batch, task: Task) -> None:
         """Run the rollout function on ``task``; score what it returns."""
         ctx = self._context(batch, task)
+        began = self.clock.now()
         try:
             trajectories = rollout_result(await self.rollout(ctx, task))
             if not trajectories:
@@ -462,36 +497,43 @@ class Driver(Actor):
         if trajectories is None:
             batch.scored += 1
             batch.source.done(batch.samples[task.seq_id])
+        rollout = (began, self.clock.now())
         if len(samples) == 1:  # the common case: no task of gather's own
-            await self._score(batch, samples[0])
+            await self._score(batch, samples[0], rollout)
         else:
-            await asyncio.gather(*(self._score(batch, sample) for sample in samples))
+            await asyncio.gather(*(self._score(batch, sample, rollout) for sample in samples))
         batch.settle()
 
-    async def _reward(self, batch: _Batch, sample: Sample) -> None:
+    async def _reward(self, batch: _Batch, sample: Sample) -> int:
         """Score ``sample`` by the job's reward: its GenRM through the reward scheduler, its
-        function, or its checker."""
+        function, or its checker. The tokens of the GenRM's prompt (0: none judged it)."""
         source = batch.source
         sample.correct = source.check(sample)
+        judge_prompt = 0
         if source.judged:
             work = source.judge(sample)
+            judge_prompt = len(work.prompt_ids)
             self._own(batch, work.seq_id)
             sample.judgment = await self.calls.call("reward", work)
             batch.completed("reward", sample.judgment, self.clock.now())
         pending = source.score(sample)
         if pending is not None:
             await pending
+        return judge_prompt
 
-    async def _score(self, batch: _Batch, sample: Sample) -> None:
+    async def _score(self, batch: _Batch, sample: Sample, rollout: tuple[float, float]) -> None:
+        """Score ``sample``, whose rollout ran from ``rollout[0]`` to ``rollout[1]``."""
         trajectory = sample.trajectory
+        judge_prompt = 0
         if trajectory is not None and trajectory.reward is not None:
             sample.score = float(trajectory.reward)
             sample.metrics = dict(trajectory.metrics)
             sample.correct = batch.source.check(sample)
         else:
-            await self._reward(batch, sample)
+            judge_prompt = await self._reward(batch, sample)
             if trajectory is not None and trajectory.metrics:
                 sample.metrics = {**trajectory.metrics, **sample.metrics}
+        batch.last_scored = (sample, *rollout, judge_prompt, self.clock.now())
         batch.scored += 1
         batch.source.done(sample)
         self._tail(batch)
@@ -773,4 +815,5 @@ class Driver(Actor):
             train=train,
             eval=evaluation,
             duplicates=batch.duplicates,
+            critical=batch.critical(),
         )

@@ -62,6 +62,7 @@ from pivot.actors.assembly import (
     DriverOptions,
 )
 from pivot.actors.controller import ControllerSettings
+from pivot.actors.driver import CriticalSample
 from pivot.actors.journal import Journal
 from pivot.actors.metering import DeviceMeter
 from pivot.actors.monitor import ShiftMarks
@@ -70,7 +71,14 @@ from pivot.actors.sources import WorkloadSource
 from pivot.actors.testing import FaultPlan, InvariantViolation, LocalCluster
 from pivot.actors.trainer_sim import SimTrainingBackend
 from pivot.actors.vocabulary import SHIFT_TOPIC
-from pivot.bounds import Bound, operating_points, workload_bound
+from pivot.bounds import (
+    Bound,
+    InferenceCost,
+    alone_s,
+    inference_costs,
+    operating_points,
+    workload_bound,
+)
 from pivot.bus import Actor, Bus, Clock, run_virtual
 from pivot.bus.supervisor import SupervisorEscalation
 from pivot.cluster import INFERENCE_ROLES, Role, RoleSpec, replica_role
@@ -161,6 +169,34 @@ class SimulationSettings(ConfigStruct, kw_only=True):
     restart_after_s: float = 5.0
 
 
+class CriticalChain(msgspec.Struct, frozen=True, kw_only=True):
+    """A step's sample scored last (the one its batch waited for; ``driver.CriticalSample``):
+    its rollout and its judgment as they took, each beside the same work alone (prefill,
+    then decode at batch 1: ``pivot.bounds.alone_s``). What a stage took beyond its alone
+    time is queueing, others' prefills and decoding among others."""
+
+    response_s: float
+    response_alone_s: float
+    judgment_s: float
+    judgment_alone_s: float
+
+    @classmethod
+    def of(cls, sample: CriticalSample, inference: Mapping[Role, InferenceCost]) -> CriticalChain:
+        judged = sample.judge_prompt_tokens > 0
+        return cls(
+            response_s=sample.response_s,
+            response_alone_s=float(
+                alone_s(inference[Role.ROLLOUT], sample.prompt_tokens, sample.response_tokens)
+            ),
+            judgment_s=sample.judgment_s,
+            judgment_alone_s=float(
+                alone_s(inference[Role.REWARD], sample.judge_prompt_tokens, sample.judgment_tokens)
+            )
+            if judged
+            else 0.0,
+        )
+
+
 class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     step: int
     started_s: float
@@ -170,6 +206,7 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     samples: int
     tokens: int
     warmup: bool = False  # a warm-up step: outside the measured window
+    critical: CriticalChain | None = None  # None: no sample was scored
 
     @property
     def ended_s(self) -> float:
@@ -234,7 +271,9 @@ class RunResult(msgspec.Struct, kw_only=True):
         (``chain_s``) and its training on the whole cluster (``train_bound_s``). A step ends
         no sooner than ``chain_s + train_bound_s`` after its admission: what it takes
         beyond that is queueing and decoding among others, the trainer's wait, and training
-        on fewer devices."""
+        on fewer devices. Beside them the step's sample scored last (``CriticalChain``):
+        its rollout and its judgment (``critical_response_s``, ``critical_judgment_s``), each
+        with the same work alone (``..._alone_s``)."""
         measured = [s for s in self.steps if not s.warmup]
         if not measured:
             return {}
@@ -251,6 +290,9 @@ class RunResult(msgspec.Struct, kw_only=True):
         if self.bound is not None:
             out["chain_s"] = round(self.bound.chain_s, 3)
             out["train_bound_s"] = round(self.bound.train_s, 3)
+        chains = [s.critical for s in measured if s.critical is not None]
+        for field in CriticalChain.__struct_fields__ if chains else ():
+            out[f"critical_{field}"] = mean(getattr(c, field) for c in chains)
         return out
 
     def helpers(self) -> dict[str, dict[str, float]]:
@@ -705,6 +747,7 @@ def _result(
     reports = assembly.driver.reports
     schedulers = assembly.schedulers
     trainer: Any = assembly.trainer
+    inference = inference_costs(workload)
     steps = [
         StepRecord(
             step=r.step,
@@ -715,6 +758,7 @@ def _result(
             samples=r.samples,
             tokens=r.response_tokens + r.judgment_tokens,
             warmup=i < warmup,
+            critical=CriticalChain.of(r.critical, inference) if r.critical is not None else None,
         )
         for i, r in enumerate(reports)
     ]

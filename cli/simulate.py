@@ -598,6 +598,16 @@ def _latency_table(latencies: dict[str, dict]) -> list[str]:
         lines.append(
             f"{kind:<15}" + "".join(f"{t[k]:>9.1f}" if k in t else f"{'-':>9}" for k in keys)
         )
+    critical = {kind: t for kind, t in latencies.items() if "critical_response_s" in t}
+    if critical:
+        lines += [
+            "the step's sample scored last (mean s): its rollout and its judgment, each beside "
+            "the same alone:",
+            f"{'deployment':<15}{'rollout':>9}{'alone':>9}{'judgment':>9}{'alone':>9}",
+        ]
+        keys = ("response_s", "response_alone_s", "judgment_s", "judgment_alone_s")
+        for kind, t in critical.items():
+            lines.append(f"{kind:<15}" + "".join(f"{t['critical_' + k]:>9.1f}" for k in keys))
     return lines
 
 

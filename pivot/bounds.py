@@ -46,6 +46,7 @@ other device, at the same per-device rate, and add a reduce: a helped step is no
 
     inference_costs(workload) -> {role: InferenceCost}
     efficient_point(cost, context) -> OperatingPoint
+    alone_s(cost, prompt, tokens) -> seconds
     step_bound(lengths, inference, trainer, devices) -> StepBound
     run_bound(steps, devices, staleness, window, first_step, history) -> Bound
     workload_bound(workload, lengths, devices, staleness, window, ...) -> Bound
@@ -55,7 +56,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
@@ -115,6 +116,12 @@ def _decode_alone_s(cost: CostModel, context: np.ndarray, tokens: np.ndarray) ->
     iteration j runs at ITL(1, context + j)."""
     per_step = max(cost.b, cost.c) + cost.d
     return tokens * per_step + cost.a * (tokens * context + tokens * (tokens - 1) / 2.0)
+
+
+def alone_s(cost: InferenceCost, prompt: Any, tokens: Any) -> Any:
+    """Seconds for a sequence of ``prompt`` tokens to be prefilled and decode ``tokens``
+    tokens alone (vectorised: numbers or numpy arrays)."""
+    return prompt / cost.prefill_tokens_per_s + _decode_alone_s(cost.cost, prompt, tokens)
 
 
 def _mean_context(prompt: np.ndarray, tokens: np.ndarray) -> float:
@@ -191,12 +198,7 @@ def step_bound(
         Role.REWARD.value: role_work_s(reward, genrm, judgment),
         Role.TRAINING.value: fewest.devices * train_time_s(fewest, tokens),
     }
-    chain = (
-        prompt / rollout.prefill_tokens_per_s
-        + _decode_alone_s(rollout.cost, prompt, response)
-        + genrm / reward.prefill_tokens_per_s
-        + _decode_alone_s(reward.cost, genrm, judgment)
-    )
+    chain = alone_s(rollout, prompt, response) + alone_s(reward, genrm, judgment)
     return StepBound(
         step=lengths.step,
         work_device_s=work,

@@ -105,6 +105,14 @@ def test_json_comparison_is_the_same_bytes_for_the_same_seed(tmp_path, capsys):
         assert t["until_training_s"] + t["train_s"] == pytest.approx(t["step_s"], abs=2e-3)
         assert t["train_s"] >= t["train_bound_s"] > 0
         assert t["step_s"] >= t["chain_s"] + t["train_bound_s"] > t["chain_s"] > 0
+        # the step's sample scored last: no stage of it faster than alone, both alone no
+        # longer than the batch's longest chain, both as they took within its time to training
+        assert t["critical_response_s"] >= t["critical_response_alone_s"] > 0
+        assert t["critical_judgment_s"] >= t["critical_judgment_alone_s"] > 0
+        alone = t["critical_response_alone_s"] + t["critical_judgment_alone_s"]
+        assert alone <= t["chain_s"] + 1e-3
+        took = t["critical_response_s"] + t["critical_judgment_s"]
+        assert took <= t["until_training_s"] + 1e-3
         # gradient helpers join only PivotRL's steps: a baseline runs no planner
         assert run["helpers"] == report["helpers"][kind]
         if kind != "pivot":

@@ -140,6 +140,17 @@ def test_more_reward_devices_halve_the_judging_of_a_saturated_reward_stage(tmp_p
     rollout = 100 * ITL
     assert one.steps[0].seconds == pytest.approx(rollout + 2 * 50 * ITL + 1.0, abs=2e-3)
     assert two.steps[0].seconds == pytest.approx(rollout + 50 * ITL + 1.0, abs=2e-3)
+    # the sample scored last: its judgment waited a round for the one replica, and took as
+    # long as alone on two; its response decoded beside one other at the toy's flat ITL, as
+    # fast as alone
+    for result, rounds in ((one, 2), (two, 1)):
+        critical = result.steps[0].critical
+        assert critical is not None
+        assert critical.response_s == pytest.approx(rollout, abs=1e-3)
+        assert critical.response_alone_s == pytest.approx(rollout, abs=1e-4)
+        assert critical.judgment_alone_s == pytest.approx(50 * ITL, abs=1e-4)
+        assert critical.judgment_s == pytest.approx(rounds * 50 * ITL, abs=2e-3)
+        assert result.latency()["critical_judgment_s"] == pytest.approx(critical.judgment_s)
 
 
 def test_colocated_moves_every_device_through_every_stage_each_step(tmp_path):
