@@ -182,7 +182,7 @@ class CriticalChain(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def of(cls, sample: CriticalSample, inference: Mapping[Role, InferenceCost]) -> CriticalChain:
-        judged = sample.judge_prompt_tokens > 0
+        # (a sample no GenRM judged has no judge prompt and no judgment: 0 s alone)
         return cls(
             response_s=sample.response_s,
             response_alone_s=float(
@@ -191,9 +191,7 @@ class CriticalChain(msgspec.Struct, frozen=True, kw_only=True):
             judgment_s=sample.judgment_s,
             judgment_alone_s=float(
                 alone_s(inference[Role.REWARD], sample.judge_prompt_tokens, sample.judgment_tokens)
-            )
-            if judged
-            else 0.0,
+            ),
         )
 
 
