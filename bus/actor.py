@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import secrets
 import typing
@@ -381,6 +382,7 @@ class Actor:
                 concurrency=self.concurrency,
                 secured=secured,
                 stats=self.stats,
+                triage=self._triage_request,
             )
             self._publisher = await self._transport.open_publisher(self.name, secured=secured)
             await self.on_start()
@@ -630,6 +632,26 @@ class Actor:
             return self.spawn(self._answer_in_turn(envelope, handler, seal), name="answer")
         return await self._answer(envelope, handler, seal)
 
+    def _triage_request(self, frame: bytes) -> Callable[[], bytes | None] | None:
+        """The transport's fast path (``FrameTriage``): for a well-formed request whose
+        handler is a plain function, the function that admits and answers it when the server
+        runs it; None for anything else, which ``_on_request_frame`` then takes whole."""
+        codec = self._codec
+        try:
+            payload, seal = codec.unseal(frame)
+            envelope = codec.request_of(payload)
+        except (BadSignature, FrameError):
+            return None
+        handler = self._handlers.get(type(envelope.body))
+        if handler is None or handler.is_async:
+            return None
+        return functools.partial(self._answer_at_once, envelope, handler, seal)
+
+    def _answer_at_once(self, envelope: Any, handler: _Handler, seal: Seal | None) -> bytes | None:
+        if seal is not None and not self._admit_request(seal):
+            return None
+        return self._answer_plain(envelope, handler, seal)
+
     async def _answer_in_turn(
         self, envelope: Any, handler: _Handler, seal: Seal | None
     ) -> bytes | None:
@@ -643,6 +665,26 @@ class Actor:
     ) -> bytes | None:
         """Run the handler of a decoded request; the reply frame (an error reply when it
         raised, or when there is no handler), sealed with the request's seal."""
+        if handler is None or not handler.is_async:
+            return self._answer_plain(envelope, handler, seal)
+        message = envelope.body
+        token = dispatch_context.set((self.name, type(message).__name__, envelope.cid))
+        try:
+            try:
+                if handler.wants_sender:
+                    result = await handler.function(self, message, envelope.sender)
+                else:
+                    result = await handler.function(self, message)
+            except Exception as exc:
+                return self._handler_raised(envelope, exc, seal)
+            return self._reply(envelope, result, seal)
+        finally:
+            dispatch_context.reset(token)
+
+    def _answer_plain(
+        self, envelope: Any, handler: _Handler | None, seal: Seal | None
+    ) -> bytes | None:
+        """``_answer`` for a handler that is a plain function (or none), without awaiting."""
         codec, stats = self._codec, self.stats
         message = envelope.body
         token = dispatch_context.set((self.name, type(message).__name__, envelope.cid))
@@ -663,33 +705,30 @@ class Actor:
                     result = handler.function(self, message, envelope.sender)
                 else:
                     result = handler.function(self, message)
-                if handler.is_async:
-                    result = await result
             except Exception as exc:
-                stats.handler_errors += 1
-                stats.error_replies += 1
-                self.log.error(
-                    "handler raised", sender=envelope.sender, error=repr(exc), exc_info=exc
-                )
-                return codec.encode_error(
-                    self.name,
-                    envelope.cid,
-                    "handler_error",
-                    type(exc).__qualname__,
-                    str(exc),
-                    seal,
-                )
-            if result is not None and type(result) not in codec.message_set:
-                stats.error_replies += 1
-                text = f"handler returned {type(result).__qualname__}, which is not a message type"
-                self.log.error("bad reply", error=text)
-                return codec.encode_error(
-                    self.name, envelope.cid, "bad_reply", "TypeError", text, seal
-                )
-            stats.requests_served += 1
-            return codec.encode_reply(self.name, envelope.cid, result, seal)
+                return self._handler_raised(envelope, exc, seal)
+            return self._reply(envelope, result, seal)
         finally:
             dispatch_context.reset(token)
+
+    def _handler_raised(self, envelope: Any, exc: Exception, seal: Seal | None) -> bytes:
+        stats = self.stats
+        stats.handler_errors += 1
+        stats.error_replies += 1
+        self.log.error("handler raised", sender=envelope.sender, error=repr(exc), exc_info=exc)
+        return self._codec.encode_error(
+            self.name, envelope.cid, "handler_error", type(exc).__qualname__, str(exc), seal
+        )
+
+    def _reply(self, envelope: Any, result: Any, seal: Seal | None) -> bytes:
+        codec, stats = self._codec, self.stats
+        if result is not None and type(result) not in codec.message_set:
+            stats.error_replies += 1
+            text = f"handler returned {type(result).__qualname__}, which is not a message type"
+            self.log.error("bad reply", error=text)
+            return codec.encode_error(self.name, envelope.cid, "bad_reply", "TypeError", text, seal)
+        stats.requests_served += 1
+        return codec.encode_reply(self.name, envelope.cid, result, seal)
 
     @handles(Ping)
     def _on_ping(self, _: Ping) -> Pong:

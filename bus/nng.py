@@ -38,6 +38,7 @@ from pivot.bus.transport import (
     Endpoint,
     FrameHandler,
     FrameSink,
+    FrameTriage,
     Later,
     check_bind_address,
 )
@@ -124,7 +125,9 @@ class NngTransport:
         concurrency: int,
         secured: bool,
         stats: BusStats,
+        triage: FrameTriage | None = None,
     ) -> _NngServer:
+        # every request arrives on a slot's task already: ``triage`` would save none
         self._check_loop()
         endpoint = self._endpoint(name)
         check_bind_address(endpoint.rep, secured=secured)

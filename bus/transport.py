@@ -32,6 +32,11 @@ from pivot.bus.stats import BusStats
 #: docstring): its result is the reply frame, or None (no reply: the sender times out).
 Later = asyncio.Future[bytes | None]
 FrameHandler = Callable[[bytes], Awaitable[bytes | Later | None]]
+#: A server's optional fast path: given a request frame, the function that answers it without
+#: awaiting (reply frame, or None: no reply), or None when only the ``FrameHandler`` can. It
+#: decides and does nothing else (nothing admitted, nothing counted); what it returns does
+#: the rest when the server runs it.
+FrameTriage = Callable[[bytes], Callable[[], bytes | None] | None]
 FrameSink = Callable[[bytes], None]
 
 
@@ -68,9 +73,11 @@ class Transport(Protocol):
         concurrency: int,
         secured: bool,
         stats: BusStats,
+        triage: FrameTriage | None = None,
     ) -> Server:
         """Serve ``name``'s requests with ``handler``; what the transport itself drops or
-        abandons (a reply its requester never reads) is counted in ``stats``."""
+        abandons (a reply its requester never reads) is counted in ``stats``. ``triage``:
+        the requests a transport may answer without a task of their own (it need not)."""
         ...
 
     async def request(self, to: str, frame: bytes, timeout: float) -> bytes: ...
