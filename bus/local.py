@@ -176,22 +176,28 @@ class _LocalServer:
                 self._start_worker()
                 return
             self._queue.popleft()
-            try:
-                answer = request.answer_now()
-            except BaseException:
-                # as a worker task that raised: what it held and what waits time out
-                for stranded in (request, *self._queue):
-                    stranded.may_wait()
-                raise
-            # after close nothing goes out, as over nng: the sender times out
-            request.answer(answer if not self._closed else None)
+            self._deliver(request, self._answer_now(request))
+
+    def _answer_now(self, request: _Request) -> bytes | None:
+        assert request.answer_now is not None
+        try:
+            return request.answer_now()
+        except BaseException:
+            # the worker dies with it: what it held and what waits time out
+            for stranded in (request, *self._queue):
+                stranded.may_wait()
+            raise
+
+    def _deliver(self, request: _Request, answer: bytes | None) -> None:
+        # after close nothing goes out, as over nng: the sender times out
+        request.answer(answer if not self._closed else None)
 
     async def _work(self) -> None:
         try:
             while self._queue and not self._closed:
                 request = self._queue.popleft()
                 if request.answer_now is not None:
-                    answer = request.answer_now()
+                    answer = self._answer_now(request)
                 else:
                     request.may_wait()
                     # a server handles a request even if its client gave up, as nng does
@@ -199,8 +205,7 @@ class _LocalServer:
                 if isinstance(answer, asyncio.Future):
                     answer.add_done_callback(functools.partial(self._answer_later, request))
                     continue
-                # after close nothing goes out, as over nng: the sender times out
-                request.answer(answer if not self._closed else None)
+                self._deliver(request, answer)
         finally:
             task = asyncio.current_task()
             if task in self._workers:
@@ -210,7 +215,7 @@ class _LocalServer:
         if later.cancelled() or later.exception() is not None:
             request.answer(None)  # no reply: the sender times out
             return
-        request.answer(later.result() if not self._closed else None)
+        self._deliver(request, later.result())
 
     async def close(self) -> None:
         if self._closed:
