@@ -1180,7 +1180,10 @@ def _workers(jobs: int) -> Iterator[ProcessPoolExecutor | None]:
     if jobs <= 1:
         yield None
         return
-    # fork: a worker starts with the modules loaded (a simulation holds no threads)
+    # fork: a worker starts with the modules loaded (a simulation holds no threads). What the
+    # parent dropped but has not collected goes first: a worker collecting an nng socket it
+    # inherited would close it without nng's threads, which are not in its process, and abort
+    gc.collect()
     pool = ProcessPoolExecutor(
         jobs, mp_context=multiprocessing.get_context("fork"), initializer=_worker_signals
     )

@@ -910,3 +910,29 @@ def test_a_runs_gradient_helpers_per_measured_step_by_hand():
     assert line.strip().startswith("pivot's figures include its gradient helpers")
     assert "--ablation no-gradient-helpers" in line
     assert _simulated_only_lines({}) == []
+
+
+def test_workers_fork_with_none_of_the_parents_nng_garbage():
+    # an nng socket the parent dropped in a reference cycle, not collected yet (a test that
+    # used the nng bus before, a program that embeds simulate): a forked worker that
+    # collected it would close a socket whose nng threads are not in its process, and abort
+    import gc
+
+    import pynng
+
+    from pivot.actors.simulation import _workers
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        cycle: dict = {"socket": pynng.Pair0()}
+        cycle["self"] = cycle
+        del cycle
+        with _workers(2) as pool:
+            assert pool is not None
+            # a worker that aborted collecting breaks the pool: this raises BrokenProcessPool
+            pool.submit(gc.collect).result(timeout=60)
+            assert pool.submit(os.getpid).result(timeout=60) != os.getpid()  # it serves on
+    finally:
+        if enabled:
+            gc.enable()
