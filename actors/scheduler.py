@@ -300,7 +300,7 @@ class Scheduler(Actor):
             if tokens:
                 self._migrating[seq_id] = (now - began, now, tokens)
 
-    @handles(calls_peers=True)  # waits on the agents' Abort and Assign
+    @handles(calls_peers=True)  # waits on the agents' Abort
     async def migrate(self, msg: MigrateSequences) -> Ack:
         by_source: dict[str, list] = defaultdict(list)
         for m in msg.migrations:
@@ -341,7 +341,12 @@ class Scheduler(Actor):
                         d = self.core.dispatch_to(m.seq_id, m.target, now=self.clock.now())
                         placed[d.replica_id].append(self._work[d.seq_id])
         moved = sum(len(ws) for ws in placed.values())
-        await self._send_assigns(placed)
+        if placed:
+            # the core has placed them: their Assigns are the dispatch loop's kind of work,
+            # and a new replica still loading its first sequences answers them late, so the
+            # shift waiting on this reply ends without waiting for that (an Assign that fails
+            # puts its sequences back, as any other)
+            self.spawn(self._send_assigns(placed), name="migrate-assigns")
         self._kick.set()
         return Ack(count=moved)
 

@@ -143,6 +143,7 @@ def test_a_moved_sequence_keeps_the_first_replicas_chunk_and_adds_the_seconds():
             "sched", MigrateSequences(migrations=[SequenceMigration(0, "a", "b")]), expect=Ack
         )
         assert moved.count == 1
+        await _until(lambda: bool(second.added))  # the Assign follows the reply
         carried = second.added[-1]
         await _until(lambda: len(sink.completions) == 1)
         for actor in (b, a, client, scheduler, sink):

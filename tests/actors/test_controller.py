@@ -988,12 +988,18 @@ def test_cut_routing_stops_new_work_and_migration_moves_running_sequences(tmp_pa
         assert scheduler.core.running_on("rollout@1") == []
         await client.request("rollout-sched", RestoreRouting(replica="rollout@1"))
         moves = [SequenceMigration(i, "rollout@0", "rollout@1") for i in (0, 1, 2)]
-        moved = await client.request(
-            "rollout-sched", MigrateSequences(migrations=moves), expect=Ack
-        )
-        assert moved.count == 3
-        assert sorted(s.id for s in scheduler.core.running_on("rollout@1")) == [0, 1, 2]
-        assert [s for s, n in cluster.engines[1]["rollout"].added if n > 0] == [0, 1, 2]
+        target = cluster.engines[1]["rollout"]
+        # the target is busy (as a new replica prefilling its first sequences is): its
+        # Assign waits, and the reply (the shift's end) does not wait for it
+        async with cluster.agents[1]._engine_lock:
+            moved = await client.request(
+                "rollout-sched", MigrateSequences(migrations=moves), expect=Ack, timeout=1.0
+            )
+            assert moved.count == 3
+            assert sorted(s.id for s in scheduler.core.running_on("rollout@1")) == [0, 1, 2]
+            assert [s for s, n in target.added if n > 0] == []
+        await cluster.until(lambda: len(target.added) == 3, "the migrated sequences' Assign")
+        assert [s for s, n in target.added if n > 0] == [0, 1, 2]
         cluster.check_owners()
         assert scheduler.migrations == []  # recorded once the sequences finish
         # unknown replicas are no-ops: the commands are idempotent
