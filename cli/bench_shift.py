@@ -13,9 +13,10 @@ that drifts during the bench weighs on every deployment about alike), and report
   registered phase: what is left of joining the scheduler, nothing for a one-device
   replica), ``serving`` (plan to the receiving replicas serving: cutting routes, evacuating
   sequences, release, read, register; the paper's shift, from router pause to router
-  resume), ``rebalance`` (then moving running sequences onto them: the per-sequence costs
-  are ``migration_s``), ``total`` (plan to done: ``serving`` + ``rebalance``); ``shifts``:
-  how many.
+  resume), ``rebalance`` (then moving running sequences onto them: aborted at their
+  sources and placed on the new replicas, whose Assigns follow as any dispatch's; the
+  per-sequence costs, Assign included, are ``migration_s``), ``total`` (plan to done:
+  ``serving`` + ``rebalance``); ``shifts``: how many.
 * ``migration_s``: per migrated sequence (one aborted with partial output and re-dispatched),
   ``abort`` (the evacuation or abort request that returned its partial output),
   ``dispatch`` (from then until a replica accepted it) and ``reprefill`` (the receiving
