@@ -346,7 +346,9 @@ class Scheduler(Actor):
             # and a new replica still loading its first sequences answers them late, so the
             # shift waiting on this reply ends without waiting for that (an Assign that fails
             # puts its sequences back, as any other)
-            self.spawn(self._send_assigns(placed), name="migrate-assigns")
+            # (to the incarnations of now: a forced removal may come before the task runs)
+            incarnations = {r: self._incarnations[r] for r in placed}
+            self.spawn(self._send_assigns(placed, incarnations), name="migrate-assigns")
         self._kick.set()
         return Ack(count=moved)
 
@@ -495,8 +497,14 @@ class Scheduler(Actor):
             placed[d.replica_id].append(self._work[d.seq_id])
         await self._send_assigns(placed)
 
-    async def _send_assigns(self, placed: dict[str, list[Work]]) -> None:
-        sends = [self._assign(r, ws, self._incarnations[r]) for r, ws in placed.items()]
+    async def _send_assigns(
+        self, placed: dict[str, list[Work]], incarnations: dict[str, int] | None = None
+    ) -> None:
+        """Assign ``placed`` to the ``incarnations`` of its replicas (default: their
+        incarnations now): a replica removed since then gets nothing."""
+        if incarnations is None:
+            incarnations = self._incarnations
+        sends = [self._assign(r, ws, incarnations[r]) for r, ws in placed.items()]
         for replica, result in zip(
             placed, await asyncio.gather(*sends, return_exceptions=True), strict=True
         ):

@@ -1020,6 +1020,31 @@ def test_cut_routing_stops_new_work_and_migration_moves_running_sequences(tmp_pa
     run_virtual(main)
 
 
+def test_a_migration_target_removed_before_its_assign_goes_out_loses_nothing(tmp_path):
+    async def main(clock):
+        layout = {0: ("rollout", "rollout@0", (0,)), 1: ("rollout", "rollout@1", (1,))}
+        cluster = Cluster(clock, four_devices(), layout)
+        await cluster.start()
+        scheduler = cluster.schedulers[Role.ROLLOUT]
+        await cluster.client.request("rollout-sched", CutRouting(replica="rollout@1"))
+        await cluster.submit("rollout", 0, 6, 40)
+        await clock.sleep(0.1)
+        await cluster.client.request("rollout-sched", RestoreRouting(replica="rollout@1"))
+        moves = [SequenceMigration(i, "rollout@0", "rollout@1") for i in (0, 1, 2)]
+        # the two handlers back to back: the target's forced removal (its agent died) comes
+        # before the task that sends the migrated sequences' Assign has run
+        moved = await scheduler.migrate(MigrateSequences(migrations=moves))
+        removed = await scheduler.remove_replica(RemoveReplica(replica="rollout@1", force=True))
+        assert moved.count == 3 and removed.requeued == 3
+        await cluster.until_done()
+        cluster.check_outputs()
+        assert cluster.engines[1]["rollout"].added == []  # the Assign went nowhere
+        assert scheduler.core.replicas == ["rollout@0"]
+        await cluster.stop()
+
+    run_virtual(main)
+
+
 def test_remove_replica_keeps_partial_output_in_the_work(tmp_path):
     async def main(clock):
         layout = {0: ("rollout", "rollout@0", (0,))}
