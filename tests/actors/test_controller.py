@@ -974,20 +974,26 @@ def test_a_wake_whose_agent_refuses_is_given_up_and_its_device_left_free(tmp_pat
 # --- the shift protocol of schedulers and agents ---------------------------------------------
 
 
+async def _six_on_rollout_0_three_to_move(clock) -> tuple[Cluster, list[SequenceMigration]]:
+    """Two rollout replicas, six sequences running on the first (the second was cut while
+    they were routed, then restored), and the migrations of three of them to the second."""
+    layout = {0: ("rollout", "rollout@0", (0,)), 1: ("rollout", "rollout@1", (1,))}
+    cluster = Cluster(clock, four_devices(), layout)
+    await cluster.start()
+    scheduler = cluster.schedulers[Role.ROLLOUT]
+    await cluster.client.request("rollout-sched", CutRouting(replica="rollout@1"))
+    await cluster.submit("rollout", 0, 6, 40)
+    await clock.sleep(0.1)
+    assert len(scheduler.core.running_on("rollout@0")) == 6
+    assert scheduler.core.running_on("rollout@1") == []
+    await cluster.client.request("rollout-sched", RestoreRouting(replica="rollout@1"))
+    return cluster, [SequenceMigration(i, "rollout@0", "rollout@1") for i in (0, 1, 2)]
+
+
 def test_cut_routing_stops_new_work_and_migration_moves_running_sequences(tmp_path):
     async def main(clock):
-        layout = {0: ("rollout", "rollout@0", (0,)), 1: ("rollout", "rollout@1", (1,))}
-        cluster = Cluster(clock, four_devices(), layout)
-        await cluster.start()
-        scheduler = cluster.schedulers[Role.ROLLOUT]
-        client = cluster.client
-        await client.request("rollout-sched", CutRouting(replica="rollout@1"))
-        await cluster.submit("rollout", 0, 6, 40)
-        await clock.sleep(0.1)
-        assert len(scheduler.core.running_on("rollout@0")) == 6
-        assert scheduler.core.running_on("rollout@1") == []
-        await client.request("rollout-sched", RestoreRouting(replica="rollout@1"))
-        moves = [SequenceMigration(i, "rollout@0", "rollout@1") for i in (0, 1, 2)]
+        cluster, moves = await _six_on_rollout_0_three_to_move(clock)
+        scheduler, client = cluster.schedulers[Role.ROLLOUT], cluster.client
         target = cluster.engines[1]["rollout"]
         # the target is busy (as a new replica prefilling its first sequences is): its
         # Assign waits, and the reply (the shift's end) does not wait for it
@@ -1022,15 +1028,8 @@ def test_cut_routing_stops_new_work_and_migration_moves_running_sequences(tmp_pa
 
 def test_a_migration_target_removed_before_its_assign_goes_out_loses_nothing(tmp_path):
     async def main(clock):
-        layout = {0: ("rollout", "rollout@0", (0,)), 1: ("rollout", "rollout@1", (1,))}
-        cluster = Cluster(clock, four_devices(), layout)
-        await cluster.start()
+        cluster, moves = await _six_on_rollout_0_three_to_move(clock)
         scheduler = cluster.schedulers[Role.ROLLOUT]
-        await cluster.client.request("rollout-sched", CutRouting(replica="rollout@1"))
-        await cluster.submit("rollout", 0, 6, 40)
-        await clock.sleep(0.1)
-        await cluster.client.request("rollout-sched", RestoreRouting(replica="rollout@1"))
-        moves = [SequenceMigration(i, "rollout@0", "rollout@1") for i in (0, 1, 2)]
         # the two handlers back to back: the target's forced removal (its agent died) comes
         # before the task that sends the migrated sequences' Assign has run
         moved = await scheduler.migrate(MigrateSequences(migrations=moves))
