@@ -463,7 +463,10 @@ def test_killed_agents_come_back_free_and_the_run_gives_the_undisturbed_steps(fi
     free agents again. Every step is the undisturbed run's, every sample scored once."""
     import os
 
-    steps = 4
+    # 8 steps, not fewer: the kills below land where the planner has put the agents, and a
+    # 4-step run could end before them (agent-1, moved to rollout when agent-0 died, did not
+    # judge again; the Controller had not died its fifth time): 4 of 28 such runs failed
+    steps = 8
     config, run_dir = _short_job(tmp_path, steps), tmp_path / "run"
     done = subprocess.run(
         [*PIVOT, "run", str(config), "--run-dir", str(run_dir)],
