@@ -345,8 +345,8 @@ class Scheduler(Actor):
             # the core has placed them: their Assigns are the dispatch loop's kind of work,
             # and a new replica still loading its first sequences answers them late, so the
             # shift waiting on this reply ends without waiting for that (an Assign that fails
-            # puts its sequences back, as any other)
-            # (to the incarnations of now: a forced removal may come before the task runs)
+            # puts its sequences back, as any other). They go to the replicas' incarnations
+            # of now: a forced removal may come before the task runs
             incarnations = {r: self._incarnations[r] for r in placed}
             self.spawn(self._send_assigns(placed, incarnations), name="migrate-assigns")
         self._kick.set()
