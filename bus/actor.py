@@ -64,7 +64,15 @@ from pivot.bus.local import LocalTransport
 from pivot.bus.logs import dispatch_context, get_logger, worth_logging
 from pivot.bus.replay import ReplayWindow
 from pivot.bus.stats import BusStats
-from pivot.bus.transport import Directory, Later, Publisher, Server, Subscriber, Transport
+from pivot.bus.transport import (
+    Directory,
+    Later,
+    Publisher,
+    Server,
+    Subscriber,
+    Transport,
+    Triaged,
+)
 
 R = TypeVar("R")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -626,16 +634,13 @@ class Actor:
             return codec.encode_error(
                 self.name, exc.cid, "bad_message", "FrameError", exc.text, seal
             )
-        handler = self._handlers.get(type(envelope.body))
-        if handler is not None and handler.calls_peers:
-            # answered later: this request's slot is free again at once
-            return self.spawn(self._answer_in_turn(envelope, handler, seal), name="answer")
-        return await self._answer(envelope, handler, seal)
+        return await self._dispatch_request(envelope, self._handlers.get(type(envelope.body)), seal)
 
-    def _triage_request(self, frame: bytes) -> Callable[[], bytes | None] | None:
-        """The transport's fast path (``FrameTriage``): for a well-formed request whose
-        handler is a plain function, the function that admits and answers it when the server
-        runs it; None for anything else, which ``_on_request_frame`` then takes whole."""
+    def _triage_request(self, frame: bytes) -> Triaged | None:
+        """The transport's fast path (``FrameTriage``): a well-formed request, decoded once,
+        and the function that admits and answers it when the server runs it (awaited where its
+        handler is a coroutine); None for anything else, which ``_on_request_frame`` then
+        takes whole."""
         codec = self._codec
         try:
             payload, seal = codec.unseal(frame)
@@ -643,14 +648,31 @@ class Actor:
         except (BadSignature, FrameError):
             return None
         handler = self._handlers.get(type(envelope.body))
-        if handler is None or handler.is_async:
-            return None
-        return functools.partial(self._answer_at_once, envelope, handler, seal)
+        if handler is not None and handler.is_async:
+            return Triaged(functools.partial(self._admit_and_answer, envelope, handler, seal), True)
+        return Triaged(functools.partial(self._answer_at_once, envelope, handler, seal), False)
 
-    def _answer_at_once(self, envelope: Any, handler: _Handler, seal: Seal | None) -> bytes | None:
+    def _answer_at_once(
+        self, envelope: Any, handler: _Handler | None, seal: Seal | None
+    ) -> bytes | None:
         if seal is not None and not self._admit_request(seal):
             return None
         return self._answer_plain(envelope, handler, seal)
+
+    async def _admit_and_answer(
+        self, envelope: Any, handler: _Handler, seal: Seal | None
+    ) -> bytes | Later | None:
+        if seal is not None and not self._admit_request(seal):
+            return None
+        return await self._dispatch_request(envelope, handler, seal)
+
+    async def _dispatch_request(
+        self, envelope: Any, handler: _Handler | None, seal: Seal | None
+    ) -> bytes | Later | None:
+        if handler is not None and handler.calls_peers:
+            # answered later: this request's slot is free again at once
+            return self.spawn(self._answer_in_turn(envelope, handler, seal), name="answer")
+        return await self._answer(envelope, handler, seal)
 
     async def _answer_in_turn(
         self, envelope: Any, handler: _Handler, seal: Seal | None
@@ -660,21 +682,24 @@ class Actor:
         async with self._peer_turns:
             return await self._answer(envelope, handler, seal)
 
+    def _call_handler(self, handler: _Handler, envelope: Any) -> Any:
+        """The handler called on the request: its result, or for a coroutine the awaitable."""
+        if handler.wants_sender:
+            return handler.function(self, envelope.body, envelope.sender)
+        return handler.function(self, envelope.body)
+
     async def _answer(
         self, envelope: Any, handler: _Handler | None, seal: Seal | None
     ) -> bytes | None:
         """Run the handler of a decoded request; the reply frame (an error reply when it
-        raised, or when there is no handler), sealed with the request's seal."""
+        raised, or when there is no handler), sealed with the request's seal. ``_answer_plain``
+        is the same without awaiting, for a handler that is a plain function (or none)."""
         if handler is None or not handler.is_async:
             return self._answer_plain(envelope, handler, seal)
-        message = envelope.body
-        token = dispatch_context.set((self.name, type(message).__name__, envelope.cid))
+        token = dispatch_context.set((self.name, type(envelope.body).__name__, envelope.cid))
         try:
             try:
-                if handler.wants_sender:
-                    result = await handler.function(self, message, envelope.sender)
-                else:
-                    result = await handler.function(self, message)
+                result = await self._call_handler(handler, envelope)
             except Exception as exc:
                 return self._handler_raised(envelope, exc, seal)
             return self._reply(envelope, result, seal)
@@ -684,32 +709,29 @@ class Actor:
     def _answer_plain(
         self, envelope: Any, handler: _Handler | None, seal: Seal | None
     ) -> bytes | None:
-        """``_answer`` for a handler that is a plain function (or none), without awaiting."""
-        codec, stats = self._codec, self.stats
-        message = envelope.body
-        token = dispatch_context.set((self.name, type(message).__name__, envelope.cid))
+        token = dispatch_context.set((self.name, type(envelope.body).__name__, envelope.cid))
         try:
             if handler is None:
-                stats.error_replies += 1
-                self.log.warning("no handler", sender=envelope.sender)
-                return codec.encode_error(
-                    self.name,
-                    envelope.cid,
-                    "no_handler",
-                    "LookupError",
-                    f"{type(self).__qualname__} has no handler for {type(message).__qualname__}",
-                    seal,
-                )
+                return self._no_handler_reply(envelope, seal)
             try:
-                if handler.wants_sender:
-                    result = handler.function(self, message, envelope.sender)
-                else:
-                    result = handler.function(self, message)
+                result = self._call_handler(handler, envelope)
             except Exception as exc:
                 return self._handler_raised(envelope, exc, seal)
             return self._reply(envelope, result, seal)
         finally:
             dispatch_context.reset(token)
+
+    def _no_handler_reply(self, envelope: Any, seal: Seal | None) -> bytes:
+        self.stats.error_replies += 1
+        self.log.warning("no handler", sender=envelope.sender)
+        return self._codec.encode_error(
+            self.name,
+            envelope.cid,
+            "no_handler",
+            "LookupError",
+            f"{type(self).__qualname__} has no handler for {type(envelope.body).__qualname__}",
+            seal,
+        )
 
     def _handler_raised(self, envelope: Any, exc: Exception, seal: Seal | None) -> bytes:
         stats = self.stats

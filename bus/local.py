@@ -16,7 +16,8 @@ A simulation sends hundreds of thousands of requests, and most are answered by a
 function (``FrameTriage``): such a request is served by a loop callback where a worker task
 would take its turn, and gets a timeout timer only if it may wait (queued, or answered by a
 coroutine), so a request costs neither a task nor a timer while the order in which
-everything runs stays what a task per request gives.
+everything runs stays what a task per request gives. A request a coroutine answers is
+decoded once too: the worker task awaits what the triage made of it.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from collections.abc import Callable, Sequence
 
 from pivot.bus.errors import AddressError, RequestTimeout, Unreachable
 from pivot.bus.stats import BusStats
-from pivot.bus.transport import FrameHandler, FrameSink, FrameTriage, Later
+from pivot.bus.transport import FrameHandler, FrameSink, FrameTriage, Later, Triaged
 
 
 class LocalTransport:
@@ -99,7 +100,7 @@ class _Request:
     """A request on its way through a server: its frame, where its reply goes, and its
     timeout, whose timer is set only once the request may wait (``may_wait``)."""
 
-    __slots__ = ("answer_now", "deadline", "frame", "reply", "timeout", "timer", "to")
+    __slots__ = ("answer_now", "deadline", "frame", "reply", "timeout", "timer", "to", "triaged")
 
     def __init__(self, frame: bytes, reply: asyncio.Future[bytes], to: str, timeout: float):
         self.frame = frame
@@ -107,6 +108,9 @@ class _Request:
         self.to = to
         self.timeout = timeout
         self.deadline = reply.get_loop().time() + timeout
+        # what the server's triage made of the frame (None: the frame handler takes it whole),
+        # and its answer when that is a plain function
+        self.triaged: Triaged | None = None
         self.answer_now: Callable[[], bytes | None] | None = None
         self.timer: asyncio.TimerHandle | None = None
 
@@ -149,7 +153,9 @@ class _LocalServer:
 
     def submit(self, request: _Request) -> None:
         if self._triage is not None:
-            request.answer_now = self._triage(request.frame)
+            triaged = request.triaged = self._triage(request.frame)
+            if triaged is not None and not triaged.awaited:
+                request.answer_now = triaged.answer
         self._queue.append(request)
         # workers live only while there is work: a big simulation keeps no idle tasks
         if len(self._workers) + self._callbacks >= self._concurrency:
@@ -201,7 +207,11 @@ class _LocalServer:
                 else:
                     request.may_wait()
                     # a server handles a request even if its client gave up, as nng does
-                    answer = await self._handler(request.frame)
+                    triaged = request.triaged
+                    if triaged is not None:
+                        answer = await triaged.answer()
+                    else:
+                        answer = await self._handler(request.frame)
                 if isinstance(answer, asyncio.Future):
                     answer.add_done_callback(functools.partial(self._answer_later, request))
                     continue

@@ -21,7 +21,7 @@ import asyncio
 import os
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, NamedTuple, Protocol
 
 import msgspec
 
@@ -32,11 +32,22 @@ from pivot.bus.stats import BusStats
 #: docstring): its result is the reply frame, or None (no reply: the sender times out).
 Later = asyncio.Future[bytes | None]
 FrameHandler = Callable[[bytes], Awaitable[bytes | Later | None]]
-#: A server's optional fast path: given a request frame, the function that answers it without
-#: awaiting (reply frame, or None: no reply), or None when only the ``FrameHandler`` can. It
-#: decides and does nothing else (nothing admitted, nothing counted); what it returns does
-#: the rest when the server runs it.
-FrameTriage = Callable[[bytes], Callable[[], bytes | None] | None]
+
+
+class Triaged(NamedTuple):
+    """A request frame a server's fast path decoded: the function that answers it when the
+    server runs it, and whether that function is a coroutine function (``awaited``: it returns
+    what a ``FrameHandler`` would, after awaiting; else the reply frame, or None, at once)."""
+
+    answer: Callable[[], Any]
+    awaited: bool
+
+
+#: A server's optional fast path: given a request frame, how to answer it (``Triaged``), or
+#: None when only the ``FrameHandler`` can (a frame it cannot decode). It decides and does
+#: nothing else (nothing admitted, nothing counted); what it returns does the rest when the
+#: server runs it, without decoding the frame again.
+FrameTriage = Callable[[bytes], Triaged | None]
 FrameSink = Callable[[bytes], None]
 
 

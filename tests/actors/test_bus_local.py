@@ -117,6 +117,28 @@ def test_a_plain_handler_answers_with_no_task_and_no_timer() -> None:
     assert run_virtual(main) == (0, 0, 1, 1)
 
 
+def test_a_request_is_decoded_once_whether_its_handler_awaits_or_not() -> None:
+    async def main(clock: VirtualClock) -> list[str]:
+        codec = Codec(MESSAGES)
+        bus = Bus(LocalTransport(), codec, clock)
+        decoded: list[str] = []
+        request_of = codec.request_of
+
+        def counting(payload: Any) -> Any:
+            envelope = request_of(payload)
+            decoded.append(type(envelope.body).__name__)
+            return envelope
+
+        async with started(Recorder("server", bus, []), Actor("client", bus)) as (_, client):
+            codec.request_of = counting  # type: ignore[method-assign]
+            assert (await client.request("server", Echo(text="a"))).text == "a"
+            assert (await client.request("server", Nap(seconds=0.5, text="b"))).text == "b"
+            codec.request_of = request_of  # type: ignore[method-assign]
+        return decoded
+
+    assert run_virtual(main) == ["Echo", "Nap"]
+
+
 def test_a_request_the_fast_path_drops_times_out_at_its_deadline() -> None:
     async def main(clock: VirtualClock) -> float:
         transport = LocalTransport()
