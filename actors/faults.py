@@ -5,7 +5,9 @@ outside would land at a random one. ``PIVOT_FAULT`` holds comma-separated entrie
 
 * ``kill-agent:NAME:STEPS[:ROLE]``: the agent process NAME SIGKILLs itself (no cleanup, no
   FAILED line: as ``kill -9``) right after its STEPS-th engine step (counting only steps in
-  ROLE, when given), in its first start only, so that its restart runs undisturbed.
+  ROLE, when given), in its first start only, so that its restart runs undisturbed. NAME
+  ``*``: the first agent in its first start to get there, whichever the planner put in ROLE
+  (one per entry: it claims the entry with a file in ``PIVOT_FAULT_DIR``).
 * ``kill-controller:RECORD[:RECORD...]``: the Controller's process SIGKILLs itself right
   before it writes its RECORD-th shift journal record (1-based): the first RECORD for its
   first start, the second for its first restart, and so on; a start past the list runs
@@ -24,7 +26,8 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 from pivot.actors.agent import RoleAgent, Threaded
 from pivot.actors.journal import Journal
@@ -33,6 +36,8 @@ from pivot.cluster import Role
 from pivot.engines.protocol import InferenceEngine
 
 FAULT_ENV = "PIVOT_FAULT"
+#: where the agents of one job claim a ``kill-agent:*`` entry (a folder they share)
+FAULT_DIR_ENV = "PIVOT_FAULT_DIR"
 
 
 def planned(kind: str) -> list[list[str]]:
@@ -51,30 +56,60 @@ def first_start() -> bool:
     return start_count() == 0
 
 
-class KilledAfterSteps(Threaded):
-    """``Threaded`` stepping that SIGKILLs its process after ``steps`` engine steps (in
-    ``role`` only, when given)."""
+class Kill(NamedTuple):
+    """One planned kill of an agent: after ``steps`` engine steps (in ``role`` only, when
+    given); with ``claim``, only if the claim (a path no other process created first) is
+    its own."""
 
-    def __init__(self, steps: int, role: Role | None = None) -> None:
-        self.left = steps
-        self.role = role
+    steps: int
+    role: Role | None = None
+    claim: Path | None = None
+
+
+class KilledAfterSteps(Threaded):
+    """``Threaded`` stepping that SIGKILLs its process as ``kills`` plan; a kill whose claim
+    went to another agent is dropped and the agent runs on."""
+
+    def __init__(self, *kills: Kill) -> None:
+        self.left = [[k.steps, k] for k in kills]
 
     async def turn(self, agent: RoleAgent, engine: InferenceEngine) -> None:
         await super().turn(agent, engine)
-        if self.role is None or agent.role is self.role:
-            self.left -= 1
-        if self.left <= 0:
-            os.kill(os.getpid(), signal.SIGKILL)
+        for entry in self.left:
+            kill = entry[1]
+            if kill.role is None or agent.role is kill.role:
+                entry[0] -= 1
+            if entry[0] <= 0 and _claimed(kill.claim):
+                os.kill(os.getpid(), signal.SIGKILL)
+        self.left = [entry for entry in self.left if entry[0] > 0]
+
+
+def _claimed(claim: Path | None) -> bool:
+    if claim is None:
+        return True
+    try:
+        os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
 
 
 def agent_stepping(name: str) -> KilledAfterSteps | None:
     """The stepping that kills the agent ``name`` as planned (None: no fault for it)."""
     if not first_start():
         return None
-    for args in planned("kill-agent"):
-        if len(args) in (2, 3) and args[0] == name:
-            return KilledAfterSteps(int(args[1]), Role(args[2]) if len(args) == 3 else None)
-    return None
+    kills = []
+    for index, args in enumerate(planned("kill-agent")):
+        if len(args) not in (2, 3) or args[0] not in (name, "*"):
+            continue
+        claim = None
+        if args[0] == "*":
+            folder = os.environ.get(FAULT_DIR_ENV)
+            if not folder:
+                raise RuntimeError(f"{FAULT_ENV} kill-agent:*: needs {FAULT_DIR_ENV}")
+            claim = Path(folder) / f"kill-agent-{index}"
+        kills.append(Kill(int(args[1]), Role(args[2]) if len(args) == 3 else None, claim))
+    return KilledAfterSteps(*kills) if kills else None
 
 
 class JournalTrap:
