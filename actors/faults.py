@@ -6,8 +6,9 @@ outside would land at a random one. ``PIVOT_FAULT`` holds comma-separated entrie
 * ``kill-agent:NAME:STEPS[:ROLE]``: the agent process NAME SIGKILLs itself (no cleanup, no
   FAILED line: as ``kill -9``) right after its STEPS-th engine step (counting only steps in
   ROLE, when given), in its first start only, so that its restart runs undisturbed. NAME
-  ``*``: the first agent in its first start to get there, whichever the planner put in ROLE
-  (one per entry: it claims the entry with a file in ``PIVOT_FAULT_DIR``).
+  ``*``: the first agent process to get there, whichever the planner put in ROLE, a restarted
+  one too (one per entry: it claims the entry with a file in ``PIVOT_FAULT_DIR``), so that the
+  kill comes whatever the planner does with the agents.
 * ``kill-controller:RECORD[:RECORD...]``: the Controller's process SIGKILLs itself right
   before it writes its RECORD-th shift journal record (1-based): the first RECORD for its
   first start, the second for its first restart, and so on; a start past the list runs
@@ -96,11 +97,11 @@ def _claimed(claim: Path | None) -> bool:
 
 def agent_stepping(name: str) -> KilledAfterSteps | None:
     """The stepping that kills the agent ``name`` as planned (None: no fault for it)."""
-    if not first_start():
-        return None
     kills = []
     for index, args in enumerate(planned("kill-agent")):
         if len(args) not in (2, 3) or args[0] not in (name, "*"):
+            continue
+        if args[0] == name and not first_start():
             continue
         claim = None
         if args[0] == "*":

@@ -456,12 +456,13 @@ def test_a_crash_mid_checkpoint_and_a_ctrl_c_each_resume_to_the_uninterrupted_ru
 
 def test_killed_agents_come_back_free_and_the_run_gives_the_undisturbed_steps(fixed_run, tmp_path):
     """kill -9 of the agent that generates rollouts first, of the first that judges them
-    (whichever agents the planner put there: the test kit's ``kill-agent:*`` faults), and five
-    times of the Controller's process at chosen journal records (each SIGKILLs itself at a
-    chosen point): the supervisor restarts them, the dead agents' replicas leave their
-    schedulers (their sequences run again elsewhere), the restarted Controller finishes what
-    its journal left open, and the planner wakes the restarted, free agents again. Every step
-    is the undisturbed run's, every sample scored once."""
+    (whichever agent processes the planner put there, a restarted one too: the test kit's
+    ``kill-agent:*`` faults), and five times of the Controller's process at chosen journal
+    records (each SIGKILLs itself at a chosen point): the supervisor restarts them, the dead
+    agents' replicas leave their schedulers (their sequences run again elsewhere), the
+    restarted Controller finishes what its journal left open, and the planner wakes the
+    restarted, free agents again. Every step is the undisturbed run's, every sample scored
+    once."""
     import os
 
     # 8 steps, not fewer: a 4-step run could end before the Controller's fifth death
@@ -484,12 +485,12 @@ def test_killed_agents_come_back_free_and_the_run_gives_the_undisturbed_steps(fi
     run = Run(run_dir, None, done.stdout, done.stderr)  # type: ignore[arg-type]
     events = [e for e in run.log if e.get("actor") in ("supervisor", "controller")]
     restarted = {e["child"] for e in events if e.get("event") == "restarting child"}
-    # two agents died (an agent dies in its first start only, so not one twice)
+    # both kills came (one agent may have died twice: as a rollout, then restarted, as a
+    # reward replica)
     assert sorted(p.name for p in claims.iterdir()) == ["kill-agent-0", "kill-agent-1"]
     dead = restarted - {"controller"}
-    assert (
-        "controller" in restarted and len(dead) == 2 and all(a.startswith("agent-") for a in dead)
-    ), restarted
+    assert "controller" in restarted and dead, restarted
+    assert all(a.startswith("agent-") for a in dead), restarted
     lost = {e["agent"] for e in events if e.get("event") == "agent lost" and e["dead"]}
     assert lost <= dead  # (one may die while the Controller is down)
     # the Controller's process died five times: before its 40th journal record, then each
