@@ -146,8 +146,11 @@ class SimulationSettings(ConfigStruct, kw_only=True):
     # included: on the 72B group at shared32/pool96 it gains 3% with round-robin (24 steps,
     # seeds 0, 1: 2.185 -> 2.247, 2.118 -> 2.185 samples/s; shifts per step halve), as much
     # as with the throughput-optimal rule's admission floor off, which queues rollout
-    # sequences for the lent trainer pool that early reclaim then evicts; on the 1.5B, 7B
-    # and 32B groups it loses 1-5%
+    # sequences for the lent trainer pool that early reclaim then evicts. With its roles
+    # held at shared64/pool64 (24 steps, seed 0) round-robin gains 6% on the 72B group
+    # (2.205 -> 2.337) and the 32B group (4.887 -> 5.205); with its roles shifted at the
+    # splits the sweeps keep it loses 4% on the 1.5B group (shared96/pool32: 22.538 ->
+    # 21.729) and ties on the 7B group (shared32/pool96: 14.190 -> 14.174)
     router: Literal["paper", "round_robin"] = "paper"
     # PivotRL's routers protect the replicas of a role's oldest sequences where a newcomer's
     # prefill stalls a batch long (``pivot.planning.routing.protecting``); False: the paper's
