@@ -25,11 +25,11 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from pivot.bus.errors import AddressError, RequestTimeout, Unreachable
 from pivot.bus.stats import BusStats
-from pivot.bus.transport import FrameHandler, FrameSink, FrameTriage, Later, Triaged
+from pivot.bus.transport import FrameHandler, FrameSink, FrameTriage, Later
 
 
 class LocalTransport:
@@ -100,7 +100,16 @@ class _Request:
     """A request on its way through a server: its frame, where its reply goes, and its
     timeout, whose timer is set only once the request may wait (``may_wait``)."""
 
-    __slots__ = ("answer_now", "deadline", "frame", "reply", "timeout", "timer", "to", "triaged")
+    __slots__ = (
+        "answer_awaited",
+        "answer_now",
+        "deadline",
+        "frame",
+        "reply",
+        "timeout",
+        "timer",
+        "to",
+    )
 
     def __init__(self, frame: bytes, reply: asyncio.Future[bytes], to: str, timeout: float):
         self.frame = frame
@@ -108,10 +117,10 @@ class _Request:
         self.to = to
         self.timeout = timeout
         self.deadline = reply.get_loop().time() + timeout
-        # what the server's triage made of the frame (None: the frame handler takes it whole),
-        # and its answer when that is a plain function
-        self.triaged: Triaged | None = None
+        # how the server's triage answers it: a plain function, or a coroutine function a
+        # worker task awaits (neither: the frame handler takes the frame whole)
         self.answer_now: Callable[[], bytes | None] | None = None
+        self.answer_awaited: Callable[[], Awaitable[bytes | Later | None]] | None = None
         self.timer: asyncio.TimerHandle | None = None
 
     def may_wait(self) -> None:
@@ -152,10 +161,11 @@ class _LocalServer:
         self._closed = False
 
     def submit(self, request: _Request) -> None:
-        if self._triage is not None:
-            triaged = request.triaged = self._triage(request.frame)
-            if triaged is not None and not triaged.awaited:
-                request.answer_now = triaged.answer
+        triaged = self._triage(request.frame) if self._triage is not None else None
+        if triaged is not None and triaged.awaited:
+            request.answer_awaited = triaged.answer
+        elif triaged is not None:
+            request.answer_now = triaged.answer
         self._queue.append(request)
         # workers live only while there is work: a big simulation keeps no idle tasks
         if len(self._workers) + self._callbacks >= self._concurrency:
@@ -207,9 +217,8 @@ class _LocalServer:
                 else:
                     request.may_wait()
                     # a server handles a request even if its client gave up, as nng does
-                    triaged = request.triaged
-                    if triaged is not None:
-                        answer = await triaged.answer()
+                    if request.answer_awaited is not None:
+                        answer = await request.answer_awaited()
                     else:
                         answer = await self._handler(request.frame)
                 if isinstance(answer, asyncio.Future):
