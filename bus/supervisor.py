@@ -424,17 +424,8 @@ class Supervisor:
         self._started = True
         self._stopped = asyncio.Event()
         started: list[_Child] = []
-        batches: list[list[_Child]] = []
-        for child in self._children.values():
-            processes = (_ProcessChild, _ProcessGroup)
-            alone = isinstance(child, _ProcessChild) and child.after_earlier
-            together = isinstance(child, processes) and not alone and batches
-            if together and all(isinstance(c, processes) for c in batches[-1]):
-                batches[-1].append(child)
-            else:
-                batches.append([child])
         try:
-            for batch in batches:
+            for batch in self._batches():
                 results = await self._start_batch(batch)
                 for child, result in zip(batch, results, strict=True):
                     if not isinstance(result, BaseException):
@@ -455,6 +446,20 @@ class Supervisor:
                 self._watch(child), name=f"{self.name}:watch:{child.name}"
             )
 
+    def _batches(self) -> list[list[_Child]]:
+        """The children in the order added, consecutive process children together (but one
+        that starts ``after_earlier``): they start together, and stop together."""
+        batches: list[list[_Child]] = []
+        for child in self._children.values():
+            processes = (_ProcessChild, _ProcessGroup)
+            alone = isinstance(child, _ProcessChild) and child.after_earlier
+            together = isinstance(child, processes) and not alone and batches
+            if together and all(isinstance(c, processes) for c in batches[-1]):
+                batches[-1].append(child)
+            else:
+                batches.append([child])
+        return batches
+
     @staticmethod
     async def _start_batch(batch: list[_Child]) -> list[object]:
         if len(batch) > 1:
@@ -466,6 +471,22 @@ class Supervisor:
         except Exception as exc:
             return [exc]
         return [None]
+
+    @staticmethod
+    async def _stop_batch(batch: list[_Child]) -> list[Exception | None]:
+        """Each child's failure to stop, if any; one child stops in this task, as it
+        starts (``_start_batch``)."""
+
+        async def stop(child: _Child) -> Exception | None:
+            try:
+                await child.stop()
+            except Exception as exc:
+                return exc
+            return None
+
+        if len(batch) > 1:
+            return list(await asyncio.gather(*(stop(c) for c in batch)))
+        return [await stop(batch[0])]
 
     async def wait(self) -> None:
         """Until everything is stopped; raises ``SupervisorEscalation`` if a child
@@ -516,7 +537,8 @@ class Supervisor:
         self._stop_task = asyncio.get_running_loop().create_task(self.stop())
 
     async def stop(self) -> None:
-        """Stop every child, last started first. Idempotent."""
+        """Stop every child, last started first; children that started together stop
+        together (each process spends a moment tearing down its libraries). Idempotent."""
         if self._stopping:
             if self._stopped is not None:
                 await self._stopped.wait()
@@ -529,12 +551,12 @@ class Supervisor:
         for watcher in watchers:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await watcher
-        for child in reversed(list(self._children.values())):
-            try:
-                await child.stop()
-            except Exception as exc:
-                self.log.error("child did not stop cleanly", child=child.name, error=repr(exc))
-            self._event(child.name, "stopped")
+        for batch in reversed(self._batches()):
+            ends = await self._stop_batch(batch)
+            for child, end in reversed(list(zip(batch, ends, strict=True))):
+                if end is not None:
+                    self.log.error("child did not stop cleanly", child=child.name, error=repr(end))
+                self._event(child.name, "stopped")
         if self._stopped is not None:
             self._stopped.set()
 

@@ -1,10 +1,14 @@
 """Small actors and factories that tests (and users checking a deployment) share,
-as ``trio.testing`` ships with trio: an echo server, and factories that child
-processes started by the ``Supervisor`` can import."""
+as ``trio.testing`` ships with trio: an echo server, one that notes whether its siblings
+were stopping with it, and factories that child processes started by the ``Supervisor``
+can import."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
+from pathlib import Path
 from typing import Any
 
 from pivot.bus.actor import Actor, Bus, handles
@@ -73,3 +77,32 @@ def unmakeable_actor(name: str, *, directory: dict[str, Any], error: str) -> Ech
     """Factory for a child whose actor cannot be made (as an agent whose checkpoint is
     corrupt): raises ``ValueError(error)``."""
     raise ValueError(error)
+
+
+class MeetOnStop(EchoActor):
+    """When stopped, marks ``<folder>/<name>.stopping`` and waits (up to ``wait_s``) until
+    each of ``others`` has marked its own, then ``<name>.met``: children stopped together
+    all meet, one stopped only after another has exited does not."""
+
+    def __init__(
+        self, name: str, bus: Bus, *, folder: str, others: list[str], wait_s: float
+    ) -> None:
+        super().__init__(name, bus)
+        self.folder, self.others, self.wait_s = Path(folder), others, wait_s
+
+    async def on_stop(self) -> None:
+        (self.folder / f"{self.name}.stopping").touch()
+        deadline = time.monotonic() + self.wait_s
+        while time.monotonic() < deadline:
+            if all((self.folder / f"{o}.stopping").exists() for o in self.others):
+                (self.folder / f"{self.name}.met").touch()
+                return
+            await asyncio.sleep(0.02)
+
+
+def meet_on_stop(
+    name: str, *, directory: dict[str, Any], folder: str, others: list[str], wait_s: float
+) -> MeetOnStop:
+    """Factory for ``Supervisor.add_process``: a ``MeetOnStop`` on nng."""
+    bus = Bus.nng(Directory.from_dict(directory), TESTING_MESSAGES)
+    return MeetOnStop(name, bus, folder=folder, others=others, wait_s=wait_s)

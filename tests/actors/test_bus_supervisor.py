@@ -426,3 +426,24 @@ async def test_a_group_restarts_as_one_and_escalates_naming_the_member(tmp_path_
         await bus.close()
     assert "child 'a' failed 2 times within 60 s (the last: a: exit code 1" in str(escalated.value)
     assert not alive(supervisor.pid("a")) and not alive(supervisor.pid("b"))
+
+
+async def test_children_that_started_together_stop_together(tmp_path_factory) -> None:
+    """Consecutive process children start side by side; they stop side by side too (each
+    spends a moment tearing down), not one after another's exit."""
+    folder = tmp_path_factory.mktemp("meet")
+    names = ["a", "b", "c"]
+    directory = Directory.ipc(folder, names)
+    supervisor = Supervisor()
+    for name in names:
+        others = [n for n in names if n != name]
+        kwargs = {"directory": directory.to_dict(), "folder": str(folder), "others": others}
+        supervisor.add_process(
+            name, "pivot.bus.testing:meet_on_stop", kwargs={**kwargs, "wait_s": 5.0}
+        )
+    await supervisor.start()
+    await supervisor.stop()
+    assert sorted(p.name for p in folder.glob("*.met")) == ["a.met", "b.met", "c.met"]
+    stopped = [e.child for e in supervisor.events if e.event == "stopped"]
+    assert stopped == ["c", "b", "a"]  # reported last started first, as before
+
