@@ -426,12 +426,12 @@ class Supervisor:
         started: list[_Child] = []
         try:
             for batch in self._batches():
-                results = await self._start_batch(batch)
+                results = await self._each(batch, lambda child: child.start())
                 for child, result in zip(batch, results, strict=True):
-                    if not isinstance(result, BaseException):
+                    if result is None:
                         self._event(child.name, "started")
                         started.append(child)
-                failures = [r for r in results if isinstance(r, BaseException)]
+                failures = [r for r in results if r is not None]
                 if failures:
                     raise failures[0]
         except BaseException:
@@ -461,32 +461,21 @@ class Supervisor:
         return batches
 
     @staticmethod
-    async def _start_batch(batch: list[_Child]) -> list[object]:
+    async def _each(
+        batch: list[_Child], act: Callable[[_Child], Awaitable[None]]
+    ) -> list[BaseException | None]:
+        """``act`` (a start or a stop) on every child of ``batch`` side by side: what each
+        raised, or None."""
         if len(batch) > 1:
-            return await asyncio.gather(*(c.start() for c in batch), return_exceptions=True)
-        # one child starts in this task: an actor's start then runs exactly as if awaited by
+            ends = await asyncio.gather(*(act(c) for c in batch), return_exceptions=True)
+            return [end if isinstance(end, BaseException) else None for end in ends]
+        # one child in this task: an actor's start or stop then runs exactly as if awaited by
         # hand, which keeps the interleaving of a virtual-clock run the caller's to decide
         try:
-            await batch[0].start()
+            await act(batch[0])
         except Exception as exc:
             return [exc]
         return [None]
-
-    @staticmethod
-    async def _stop_batch(batch: list[_Child]) -> list[Exception | None]:
-        """Each child's failure to stop, if any; one child stops in this task, as it
-        starts (``_start_batch``)."""
-
-        async def stop(child: _Child) -> Exception | None:
-            try:
-                await child.stop()
-            except Exception as exc:
-                return exc
-            return None
-
-        if len(batch) > 1:
-            return list(await asyncio.gather(*(stop(c) for c in batch)))
-        return [await stop(batch[0])]
 
     async def wait(self) -> None:
         """Until everything is stopped; raises ``SupervisorEscalation`` if a child
@@ -552,8 +541,10 @@ class Supervisor:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await watcher
         for batch in reversed(self._batches()):
-            ends = await self._stop_batch(batch)
+            ends = await self._each(batch, lambda child: child.stop())
             for child, end in reversed(list(zip(batch, ends, strict=True))):
+                if end is not None and not isinstance(end, Exception):
+                    raise end  # (a cancellation, an interrupt) as when stopped one by one
                 if end is not None:
                     self.log.error("child did not stop cleanly", child=child.name, error=repr(end))
                 self._event(child.name, "stopped")
