@@ -337,6 +337,16 @@ class RunResult(msgspec.Struct, kw_only=True):
             return {}
         return {k: round(v, 1) for k, v in self.account.seconds.items()}
 
+    def account_by_role(self) -> dict[str, dict[str, float]]:
+        """Per inference role, its engine device-seconds (busy, under-filled, re-prefilling)
+        and the mean batch it decoded at (``pivot.account.RoleTime``)."""
+        if self.account is None:
+            return {}
+        return {
+            role: {k: round(v, 1) for k, v in msgspec.structs.asdict(t).items()}
+            for role, t in self.account.roles.items()
+        }
+
     def summary(self) -> dict[str, Any]:
         """The deterministic numbers (no timeline, no wall time)."""
         return {
@@ -361,6 +371,7 @@ class RunResult(msgspec.Struct, kw_only=True):
             },
             "bound": self.bound_fractions(),
             "account": self.account_seconds(),
+            "account_by_role": self.account_by_role(),
             "latency": self.latency(),
             "helpers": self.helpers(),
             # the bounds' and the account's window: from the first measured step's start

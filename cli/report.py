@@ -87,6 +87,7 @@ class RunData:
         self.migration: dict[str, Any] = {}  # what moving devices cost, as recorded
         self.bound: dict[str, float] = {}  # fraction of each physical bound (simulated runs)
         self.account: dict[str, float] = {}  # device-seconds per time-account category
+        self.account_by_role: dict[str, dict[str, float]] = {}  # role -> its engine time
         self.summary: dict[str, Any] = {}  # a simulated run's own numbers
         self.notes: list[str] = []  # how a figure was derived, where it is an estimate
 
@@ -140,6 +141,7 @@ def _read_simulate(run_dir: Path, records: list[dict[str, Any]]) -> list[RunData
                 run.migration = dict(fields.get("migration", {}))
                 run.bound = dict(fields.get("bound") or {})
                 run.account = dict(fields.get("account") or {})
+                run.account_by_role = dict(fields.get("account_by_role") or {})
             case "step":
                 run.steps.append(fields)
             case "sample":
@@ -176,6 +178,7 @@ def _read_pivot_run(run_dir: Path, records: list[dict[str, Any]], config: Path) 
         with contextlib.suppress(json.JSONDecodeError, AttributeError, TypeError):
             account = json.loads(summary.read_text(encoding="utf-8")).get("account") or {}
             run.account = dict(account.get("seconds") or {})
+            run.account_by_role = dict(account.get("roles") or {})
     timeline = run_dir / "timeline.jsonl"
     if timeline.is_file():
         decoder = msgspec.json.Decoder(TimelineRecord)
@@ -507,6 +510,9 @@ strip: devices per role over time as stacked bands; ticks above it: one per shif
 {% if run.account %}<table><tr><th class="l">device time</th><th>device-s</th><th>%</th></tr>
 {% for k, v in run.account.items() %}<tr><td class="l">{{ k }}</td><td>{{ "%.1f"|format(v) }}</td><td>{{ "%.1f"|format(100 * v / run.account_total) }}</td></tr>
 {% endfor %}</table>{% endif %}
+{% if run.account_by_role %}<table><tr><th class="l">engine time by role</th><th>busy</th><th>under-filled</th><th>re-prefilling</th><th>mean decode batch</th></tr>
+{% for role, t in run.account_by_role.items() %}<tr><td class="l">{{ role }}</td><td>{{ "%.1f"|format(t.busy) }}</td><td>{{ "%.1f"|format(t.under_filled) }}</td><td>{{ "%.1f"|format(t.re_prefilling) }}</td><td>{{ "%.1f"|format(t.decode_batch) }}</td></tr>
+{% endfor %}</table>{% endif %}
 {% if run.bound %}<p class="note">Bound time over the run's time for the same steps (pivot.bounds); the account sums to devices x the same window (pivot.account says what each category holds).</p>
 {% elif run.account %}<p class="note">Measured: the devices' time from the first step's submission to the last step's end, summing to devices x that window (pivot.account says what each category holds).</p>{% endif %}
 <h3>Steps</h3>
@@ -533,7 +539,7 @@ def render(run_dir: Path, runs: list[RunData], config: str, kind: str) -> str:
                 "summary": {
                     k: v
                     for k, v in run.summary.items()
-                    if k not in ("migration", "bound", "account")
+                    if k not in ("migration", "bound", "account", "account_by_role")
                 },
                 "throughput": throughput_png(run, f"{run_dir.name}: {run.name}"),
                 "reward": reward_png(run.steps),
@@ -542,6 +548,7 @@ def render(run_dir: Path, runs: list[RunData], config: str, kind: str) -> str:
                 "bound": run.bound,
                 "account": run.account,
                 "account_total": sum(run.account.values()) or 1.0,
+                "account_by_role": run.account_by_role,
                 "step_head": head,
                 "step_rows": rows,
                 "notes": run.notes,

@@ -622,18 +622,25 @@ def write_outputs(
 
 
 def account_text(record: MeasuredAccount) -> str:
-    """The time account in two lines: device-seconds and the share of devices x window of
-    each category."""
+    """The time account: device-seconds and the share of devices x window of each category,
+    then each inference role's engine time and the batch it decoded at."""
     whole = max(record.devices * record.window_s, 1e-12)
-    parts = [
-        f"{k.replace('_', ' ')} {record.seconds[k]:.1f} s ({100 * record.seconds[k] / whole:.1f}%)"
-        for k in ACCOUNT
-    ]
+
+    def share(name: str, seconds: float) -> str:
+        return f"{name.replace('_', ' ')} {seconds:.1f} s ({100 * seconds / whole:.1f}%)"
+
+    parts = [share(k, record.seconds[k]) for k in ACCOUNT]
     lost = f"; {record.lost_batches} segment batches lost" if record.lost_batches else ""
     busy = ", ".join(f"{role} >= {n}" for role, n in sorted(record.thresholds.items()))
+    roles = [
+        f"\n  {role}: "
+        + ", ".join(share(k, getattr(t, k)) for k in ("busy", "under_filled", "re_prefilling"))
+        + f", decoding {t.decode_batch:.1f} sequences a replica on average"
+        for role, t in record.roles.items()
+    ]
     return (
         f"device time ({record.devices} devices x {record.window_s:.1f} s, first step to last; "
-        f"busy from batch {busy or '-'}{lost}):\n  " + ", ".join(parts)
+        f"busy from batch {busy or '-'}{lost}):\n  " + ", ".join(parts) + "".join(roles)
     )
 
 

@@ -24,8 +24,9 @@ baseline is against the better of the two. For the run each comparison uses (Piv
 each baseline's best) it prints the fraction of the physical bounds reached by the measured
 steps, from the first one's start (work-conserving, critical-path, combined: ``pivot.bounds``) and the time account
 (device-seconds busy, under-filled, re-prefilling, idle, stalled on the trainer, trainer
-waiting, training, in transit: ``pivot.account``); ``--json`` has them under ``bound`` and
-``account``, keyed by deployment, and every run's summary has its own. The run directory gets
+waiting, training, in transit: ``pivot.account``), with the engine's part split by inference
+role and the batch each role decoded at; ``--json`` has them under ``bound``, ``account`` and
+``account_by_role``, keyed by deployment, and every run's summary has its own. The run directory gets
 ``metrics.jsonl`` (one line per run, step, timeline sample, shift and training span),
 ``summary.json`` (the report it prints),
 one Figure-10-style plot per deployment, ``report.html`` (``pivot report``: every run on one
@@ -434,6 +435,7 @@ def _comparison_report(comparison: Any, args: argparse.Namespace) -> dict[str, A
         "shifts_per_step": round(pivot.shifts_per_step, 3) if pivot is not None else None,
         "bound": {kind: run.bound_fractions() for kind, run in used.items()},
         "account": {kind: run.account_seconds() for kind, run in used.items()},
+        "account_by_role": {kind: run.account_by_role() for kind, run in used.items()},
         "latency": {kind: run.latency() for kind, run in used.items()},
         "helpers": {kind: run.helpers() for kind, run in used.items()},
         "simulated_only": {
@@ -457,6 +459,7 @@ def _study_report(
         row["migration"] = msgspec.to_builtins(r.migration)
         row["bound"] = r.bound_fractions()
         row["account"] = r.account_seconds()
+        row["account_by_role"] = r.account_by_role()
         rows.append(row)
     return {
         "workload": name,
@@ -524,6 +527,7 @@ def _format(report: dict[str, Any], plots: list[Path]) -> str:
                 parts = ", ".join(f"{k} {v:.2f}x" for k, v in sorted(at_table4.items()))
                 lines.append(f"  (PivotRL at Table 4's trainer pool, not swept: {parts})")
         lines.extend(_bounds_table(report.get("bound") or {}, report.get("account") or {}))
+        lines.extend(_role_table(report.get("account_by_role") or {}, report.get("account") or {}))
         lines.extend(_latency_table(report.get("latency") or {}))
         lines.extend(_helper_lines(report.get("helpers") or {}))
         lines.extend(_simulated_only_lines(report.get("simulated_only") or {}))
@@ -576,6 +580,27 @@ def _bounds_table(bounds: dict[str, dict], accounts: dict[str, dict]) -> list[st
             f"{kind:<15}{b['work']:>7.2f}{b['critical_path']:>7.2f}{b['combined']:>7.2f}"
             + "".join(f"{100 * seconds.get(k, 0.0) / whole:>10.1f}" for k in ACCOUNT)
         )
+    return lines
+
+
+def _role_table(by_role: dict[str, dict], accounts: dict[str, dict]) -> list[str]:
+    """Each deployment's engine time by inference role (% of device time) and the mean batch
+    each role decoded at (``RunResult.account_by_role``)."""
+    if not any(by_role.values()):
+        return []
+    lines = [
+        "engine time by role (% of device time) and the batch it decoded at (mean sequences "
+        "a replica):",
+        f"{'deployment':<15}{'role':<9}{'busy':>8}{'under':>8}{'reprefill':>10}{'batch':>8}",
+    ]
+    for kind, roles in by_role.items():
+        whole = sum((accounts.get(kind) or {}).values()) or 1.0
+        for role, t in roles.items():
+            lines.append(
+                f"{kind:<15}{role:<9}{100 * t['busy'] / whole:>8.1f}"
+                f"{100 * t['under_filled'] / whole:>8.1f}{100 * t['re_prefilling'] / whole:>10.1f}"
+                f"{t['decode_batch']:>8.1f}"
+            )
     return lines
 
 

@@ -21,7 +21,9 @@ Categories, in device-seconds, summing to devices x window (``ACCOUNT``, in this
   register, the trainer's offload and reload), unless its engine still runs.
 
 A device is in the first that applies of: engine work (busy, under-filled, re-prefilling),
-training, in transit, then what it waits as (by who holds it). ``Ledger`` records the events
+training, in transit, then what it waits as (by who holds it). The engine categories are also
+split by inference role (``TimeAccount.roles``, with the batch each role decoded at on
+average), which says which role a run under-fills. ``Ledger`` records the events
 (any source can feed it: the simulated agents, a real job's agent reports); ``account`` clips
 them to a window and sums, exactly, with numpy.
 
@@ -29,6 +31,7 @@ them to a window and sums, exactly, with numpy.
             .transit(devices, start, end) .training(devices, start, end)
             .hold(devices, holder, at)
     account(ledger, window, devices, thresholds={role: near_batch}) -> TimeAccount
+            .seconds {category: device-s}, .roles {role: RoleTime}
 """
 
 from __future__ import annotations
@@ -55,6 +58,17 @@ Holder = Literal["inference", "trainer", "free"]
 _HOLDERS: dict[str, int] = {"inference": 0, "trainer": 1, "free": 2}
 
 
+class RoleTime(msgspec.Struct, frozen=True, kw_only=True):
+    """One inference role's share of the engine categories (device-seconds), and the batch it
+    decoded at: running sequences a replica, the mean over its decode device-seconds (0 when
+    it never decoded)."""
+
+    busy: float
+    under_filled: float
+    re_prefilling: float
+    decode_batch: float
+
+
 class TimeAccount(msgspec.Struct, frozen=True, kw_only=True):
     """Device-seconds per category over ``window_s`` on ``devices`` devices."""
 
@@ -62,6 +76,7 @@ class TimeAccount(msgspec.Struct, frozen=True, kw_only=True):
     window_s: float
     seconds: dict[str, float]  # ACCOUNT's categories, in its order
     thresholds: dict[str, int] = {}  # role -> the batch from which decoding counts as busy
+    roles: dict[str, RoleTime] = {}  # inference role -> its engine time, summing to the total
 
     @property
     def total_s(self) -> float:
@@ -167,6 +182,10 @@ class Ledger:
         busy = _ints(self._seg_running) >= limit[_ints(self._seg_role)]
         return groups, times, busy
 
+    def segment_roles(self) -> tuple[dict[str, int], np.ndarray, np.ndarray]:
+        """The roles' ids, and every segment's role id and running sequences."""
+        return dict(self._roles), _ints(self._seg_role), _ints(self._seg_running)
+
     def spans(self, kind: str) -> tuple[np.ndarray, np.ndarray]:
         groups, times = self._spans[kind]
         return _ints(groups), _floats(times).reshape(-1, 2)
@@ -217,6 +236,7 @@ def account(
     groups, seg, busy = ledger.segments(thresholds or {})
     clipped = np.clip(seg, t0, t1)
     seconds = dict.fromkeys(ACCOUNT, 0.0)
+    roles: dict[str, RoleTime] = {}
     sizes = np.array([len(d) for d in ledger.group_devices] or [0], dtype=np.float64)
     if groups.size:
         weight = sizes[groups]
@@ -226,6 +246,7 @@ def account(
         seconds["busy"] = float(fresh.sum() + decode[busy].sum())
         seconds["under_filled"] = float(decode[~busy].sum())
         seconds["re_prefilling"] = float(again.sum())
+        roles = _by_role(ledger, fresh, again, decode, busy)
 
     # every other category by a sweep over each device's intervals, in priority order
     dev_parts, t_parts, cat_parts = [], [], []
@@ -267,8 +288,38 @@ def account(
     seconds["stalled_on_trainer"] = waits[_DRY]
     seconds["trainer_waiting"] = waits[_TRAINER]
     return TimeAccount(
-        devices=devices, window_s=span, seconds=seconds, thresholds=dict(thresholds or {})
+        devices=devices,
+        window_s=span,
+        seconds=seconds,
+        thresholds=dict(thresholds or {}),
+        roles=roles,
     )
+
+
+def _by_role(
+    ledger: Ledger, fresh: np.ndarray, again: np.ndarray, decode: np.ndarray, busy: np.ndarray
+) -> dict[str, RoleTime]:
+    """The engine categories per role, from the segments' clipped device-seconds."""
+    ids, role, running = ledger.segment_roles()
+    n = max(ids.values(), default=-1) + 1
+
+    def per_role(values: np.ndarray) -> np.ndarray:
+        return np.bincount(role, weights=values, minlength=n)
+
+    busy_s = per_role(fresh + np.where(busy, decode, 0.0))
+    under_s = per_role(np.where(busy, 0.0, decode))
+    again_s = per_role(again)
+    decode_s = per_role(decode)
+    batch = per_role(decode * running)
+    return {
+        name: RoleTime(
+            busy=float(busy_s[i]),
+            under_filled=float(under_s[i]),
+            re_prefilling=float(again_s[i]),
+            decode_batch=float(batch[i] / decode_s[i]) if decode_s[i] > 0 else 0.0,
+        )
+        for name, i in sorted(ids.items())
+    }
 
 
 def _dry(engine: np.ndarray, t0: float, t1: float) -> np.ndarray:
@@ -316,4 +367,4 @@ def _sweep(
     return out
 
 
-__all__ = ["ACCOUNT", "Holder", "Ledger", "TimeAccount", "account"]
+__all__ = ["ACCOUNT", "Holder", "Ledger", "RoleTime", "TimeAccount", "account"]

@@ -257,6 +257,13 @@ def test_job_shifts_and_leaves_no_processes(shifting_run):
     assert sum(seconds.values()) == pytest.approx(4 * window)
     assert min(seconds["busy"], seconds["training"], seconds["in_transit"]) > 0
     assert f"device time (4 devices x {window:.1f} s" in run.stdout
+    # the engine's time by role: both roles decoded, and together they are the engine's
+    roles = account["roles"]
+    assert set(roles) == {"rollout", "reward"}
+    assert all(t["decode_batch"] > 0 for t in roles.values()), roles
+    for category in ("busy", "under_filled", "re_prefilling"):
+        assert sum(t[category] for t in roles.values()) == pytest.approx(seconds[category])
+    assert "\n  reward: busy " in run.stdout and "\n  rollout: busy " in run.stdout
 
 
 def test_the_run_leaves_its_report_and_pivot_report_rebuilds_it(shifting_run, tmp_path):
@@ -282,6 +289,7 @@ def test_the_run_leaves_its_report_and_pivot_report_rebuilds_it(shifting_run, tm
         assert '<td class="l">reclaim_trainer</td><td class="l">total</td>' in html
         assert f"steps = {STEPS}" in html  # the resolved config
         assert "<h3>Time account</h3>" in html and '<td class="l">in_transit</td>' in html
+        assert "engine time by role" in html and '<td class="l">reward</td>' in html
 
 
 def test_same_seed_same_rewards_without_shifts(shifting_run, fixed_run):

@@ -97,6 +97,13 @@ def test_json_comparison_is_the_same_bytes_for_the_same_seed(tmp_path, capsys):
         assert run["bound"] == fractions and run["account"] == report["account"][kind]
         assert sum(run["account"].values()) == pytest.approx(8 * run["bound_window_s"], abs=1.0)
         assert run["bound_window_s"] >= run["seconds"]  # from the first measured step's start
+        # its engine's time by role: both roles decoded, together the account's engine time
+        roles = run["account_by_role"]
+        assert roles == report["account_by_role"][kind] and set(roles) == {"rollout", "reward"}
+        for category in ("busy", "under_filled", "re_prefilling"):
+            together = sum(r[category] for r in roles.values())
+            assert together == pytest.approx(run["account"][category], abs=0.2)
+        assert all(r["decode_batch"] >= 1 for r in roles.values()), roles
         # a step from its batch's admission: no sooner trained than its chain alone and its
         # training on every device, its parts in order
         t = run["latency"]
@@ -144,6 +151,12 @@ def test_text_output_plot_and_horizon_study(tmp_path, capsys):
         capsys,
     )
     assert "pivot" in out and "wall time" in out
+    # the engine time by role: a row per role, its shares and batch as numbers
+    lines = out.splitlines()
+    at = lines.index(next(line for line in lines if line.startswith("engine time by role")))
+    rows = {line.split()[1]: line.split()[2:] for line in lines[at + 2 : at + 4]}
+    assert set(rows) == {"rollout", "reward"} and all(len(v) == 4 for v in rows.values())
+    assert all(float(rows[role][3]) >= 1 for role in rows), rows
     assert (run_dir / "plot-pivot-table4.png").stat().st_size > 10_000
     out = _run(
         [
@@ -201,6 +214,11 @@ def test_a_simulate_run_dir_gets_its_report_and_pivot_report_reads_it(tmp_path, 
     assert _steps_of(html, "pivot-table4") == ["0", "1"]
     assert "sequences aborted (taken off a replica)" in html  # the run's migration costs
     assert "What was simulated" in html and "&#34;gpus&#34;: 16" in html
+    # the engine time by role, a row per role with its mean decode batch
+    by_role = re.findall(
+        r'<tr><td class="l">(rollout|reward)</td>(?:<td>[\d.]+</td>){4}</tr>', html
+    )
+    assert sorted(by_role) == ["reward", "rollout"]
 
 
 def test_ctrl_c_leaves_the_runs_done_so_far_with_their_plot_and_report(

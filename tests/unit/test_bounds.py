@@ -9,7 +9,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from pivot.account import ACCOUNT, Ledger, account
+from pivot.account import ACCOUNT, Ledger, RoleTime, account
 from pivot.bounds import (
     InferenceCost,
     critical_path_end,
@@ -148,6 +148,35 @@ def test_the_time_account_resolves_overlaps_and_sums_to_devices_times_window():
     assert got.total_s == pytest.approx(2 * 10.0)
     # a window cuts every interval at its edges
     assert account(ledger, (2.5, 4.5), 2, thresholds={"rollout": 5}).total_s == pytest.approx(4.0)
+
+
+def test_the_time_account_splits_engine_time_by_role_with_the_batch_each_decoded_at():
+    ledger = Ledger()
+    ledger.hold([0, 1, 2], "inference", -math.inf)
+    # rollout: device 0 prefills 1 s (half re-prefilling), then decodes 8 (busy from 5) for
+    # 3 s; later 2 (under-filled) for 2 s
+    ledger.segment((0,), "rollout", 0.0, 4.0, 8, 1.0, 0.5)
+    ledger.segment((0,), "rollout", 4.0, 6.0, 2, 0.0, 0.0)
+    # reward: one two-device replica decodes 3 sequences for 4 s, the window cuts 1 s off
+    ledger.segment((1, 2), "reward", 5.0, 10.0, 3, 0.0, 0.0)
+    got = account(ledger, (0.0, 9.0), 3, thresholds={"rollout": 5, "reward": 4})
+    assert got.roles == {
+        "reward": RoleTime(busy=0.0, under_filled=8.0, re_prefilling=0.0, decode_batch=3.0),
+        "rollout": RoleTime(
+            busy=0.5 + 3.0,
+            under_filled=2.0,
+            re_prefilling=0.5,
+            decode_batch=(8 * 3.0 + 2 * 2.0) / 5.0,
+        ),
+    }
+    # the roles' engine time is the account's
+    for category in ("busy", "under_filled", "re_prefilling"):
+        assert sum(getattr(r, category) for r in got.roles.values()) == pytest.approx(
+            got.seconds[category]
+        )
+    # a window with no engine time in it has each role at zero, decoding at no batch
+    late = account(ledger, (20.0, 30.0), 3).roles["reward"]
+    assert (late.under_filled, late.busy, late.decode_batch) == (0.0, 0.0, 0.0)
 
 
 def test_warm_up_training_inside_the_window_counts_as_work():
