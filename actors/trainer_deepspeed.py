@@ -126,8 +126,13 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
 _START_KEY = "pivot-trainer-start"  # where rank 0 leaves its choice in the rendezvous store
 
 
+def _eager(fn):
+    return fn
+
+
 def _import_deepspeed():
-    """Import DeepSpeed quietly, without the shm_comm JIT build (see the module docstring)."""
+    """Import DeepSpeed quietly, without the shm_comm JIT build (see the module docstring) and
+    without compiling its Muon optimizer's functions."""
     import deepspeed
     from deepspeed.utils import logger as ds_logger
 
@@ -139,6 +144,13 @@ def _import_deepspeed():
     comm_torch = importlib.import_module("deepspeed.comm.torch")
     if hasattr(comm_torch, "build_shm_op"):
         comm_torch.build_shm_op = lambda: None
+    # ``deepspeed.initialize`` imports its Muon optimizer, whose functions are decorated
+    # ``@compiler.compile()`` at import: each decoration sets up a torch.compile wrapper, about
+    # 1.7 s of CPU per rank at every group start (inductor's set-up), for an optimizer this
+    # trainer never builds (AdamW, or FusedAdam at ZeRO-3). Muon is its only user: eager.
+    compiler = importlib.import_module("deepspeed.runtime.compiler")
+    if hasattr(compiler, "compile"):
+        compiler.compile = lambda: _eager
     return deepspeed
 
 

@@ -538,6 +538,29 @@ class Group:
         return version, into
 
 
+def test_a_rank_imports_deepspeed_without_compiling_its_muon_optimizer() -> None:
+    """DeepSpeed decorates its Muon optimizer's functions with torch.compile as it imports them
+    (``deepspeed.initialize`` does): about 1.7 s of CPU per rank at every group start for an
+    optimizer the trainer never builds. A rank's import leaves them eager. (In a process of its
+    own: another test's DeepSpeed may have imported Muon here already.)"""
+    import subprocess
+    import sys
+
+    code = (
+        "from pivot.actors.trainer_deepspeed import _import_deepspeed\n"
+        "_import_deepspeed()\n"
+        "import deepspeed.runtime.zero.muon.original_muon as muon\n"
+        "fns = ('zeropower_via_newtonschulz5', 'zeropower_via_gram_newtonschulz', 'muon_update')\n"
+        "print([n for n in fns if hasattr(getattr(muon, n), '_torchdynamo_orig_callable')])\n"
+        "print(muon.muon_update.__name__)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    compiled, name = done.stdout.splitlines()[-2:]
+    assert (compiled, name) == ("[]", "muon_update"), done.stdout
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=[2, 3], ids=["zero2", "zero3"])
 async def group(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest):
     """The group at ZeRO-2 and at ZeRO-3 (parameters partitioned: no persistence threshold;
