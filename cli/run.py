@@ -24,7 +24,7 @@ from pathlib import Path
 import msgspec
 
 from pivot.accelerator import cuda_missing
-from pivot.account import ACCOUNT, TimeAccount, account
+from pivot.account import ACCOUNT, ENGINE, TimeAccount, account
 from pivot.actors.assembly import (
     CONTROLLER,
     DRIVER,
@@ -634,7 +634,7 @@ def account_text(record: MeasuredAccount) -> str:
     busy = ", ".join(f"{role} >= {n}" for role, n in sorted(record.thresholds.items()))
     roles = [
         f"\n  {role}: "
-        + ", ".join(share(k, getattr(t, k)) for k in ("busy", "under_filled", "re_prefilling"))
+        + ", ".join(share(k, getattr(t, k)) for k in ENGINE)
         + f", decoding {t.decode_batch:.1f} sequences a replica on average"
         for role, t in record.roles.items()
     ]

@@ -54,6 +54,9 @@ ACCOUNT = (
     "in_transit",
 )
 
+#: the categories of an engine's own time, which ``TimeAccount.roles`` splits by role
+ENGINE = ACCOUNT[:3]
+
 Holder = Literal["inference", "trainer", "free"]
 _HOLDERS: dict[str, int] = {"inference": 0, "trainer": 1, "free": 2}
 
@@ -243,10 +246,9 @@ def account(
         fresh = (clipped[:, 1] - clipped[:, 0]) * weight
         again = (clipped[:, 2] - clipped[:, 1]) * weight
         decode = (clipped[:, 3] - clipped[:, 2]) * weight
-        seconds["busy"] = float(fresh.sum() + decode[busy].sum())
-        seconds["under_filled"] = float(decode[~busy].sum())
-        seconds["re_prefilling"] = float(again.sum())
         roles = _by_role(ledger, fresh, again, decode, busy)
+        for category in ENGINE:
+            seconds[category] = sum(getattr(r, category) for r in roles.values())
 
     # every other category by a sweep over each device's intervals, in priority order
     dev_parts, t_parts, cat_parts = [], [], []
@@ -367,4 +369,4 @@ def _sweep(
     return out
 
 
-__all__ = ["ACCOUNT", "Holder", "Ledger", "RoleTime", "TimeAccount", "account"]
+__all__ = ["ACCOUNT", "ENGINE", "Holder", "Ledger", "RoleTime", "TimeAccount", "account"]
