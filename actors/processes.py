@@ -12,6 +12,7 @@ Controller stays in the job's process.)
                    training, layout, rendezvous_dir, resume=None, checkpoint_dir=None,
                    trainer_restart=None, controller=None)
     ControllerSpec: what a Controller process is built from (JSON), .control() -> Control
+    job_launcher(accelerator, engine, checkpoints)   how the job's children start (begun)
     pin_to_cores(cores)     pins the calling process's threads (a pinned device's children)
     controller_process(name, *, directory, deployment, spec)   its child factory
 """
@@ -31,11 +32,28 @@ from pivot.actors.assembly import AgentStart, ChildProcess, Control, build_contr
 from pivot.actors.controller import Controller, ControllerSettings, open_journal
 from pivot.bus import Bus, Directory, RestartPolicy
 from pivot.bus.codec import job_secret
+from pivot.bus.supervisor import ExecLauncher, Launcher
+from pivot.bus.zygote import ZygoteLauncher
 from pivot.cluster import Role, RoleSpec
 from pivot.deployment import Deployment
+from pivot.engines.checkpoint import read_config
 from pivot.planning.cost import CostModel
 from pivot.planning.routing import Router, RouterSettings
 from pivot.training import TrainingSettings
+
+#: What a job's children import before they serve (``ProcessBackend.launcher``): a role
+#: agent, its engines and their checkpoint reader; a trainer rank's DeepSpeed (as it imports
+#: it); the Controller's process. The model families' transformers modules are added per job.
+PRELOAD = (
+    "uvloop",
+    "pivot.actors.processes",
+    "pivot.actors.agent",
+    "pivot.actors.param_store",
+    "pivot.engines.torch_engine",
+    "pivot.engines.hf_engine",
+    "safetensors.torch",
+    "pivot.actors.trainer_deepspeed:import_deepspeed",
+)
 
 #: An agent process imports torch and loads one engine per role: seconds, more under load.
 AGENT_READY_TIMEOUT_S = 180.0
@@ -79,6 +97,25 @@ class ControllerSpec(msgspec.Struct, frozen=True, kw_only=True):
             timer=time.perf_counter,  # how long planning takes, for the planner's own record
             restart=self.restart,
         )
+
+
+def job_launcher(accelerator: str, engine: str, checkpoints: Mapping[Role, Path]) -> Launcher:
+    """How a job's children start, its server started now (as early as the job may start a
+    process, so that its imports overlap the job's own start): on ``cpu`` with pivot's torch
+    engine, forked from a server that imported what agents, trainer ranks and the Controller
+    import (``PRELOAD`` and the checkpoints' transformers modules; ``pivot.bus.zygote``);
+    otherwise each a fresh interpreter (on CUDA, a process forked after DeepSpeed's import
+    touched the driver could not use it)."""
+    if accelerator != "cpu" or engine != "torch":
+        return ExecLauncher()
+    families = sorted(
+        {read_config(folder).get("model_type") or "" for folder in checkpoints.values()}
+    )
+    launcher = ZygoteLauncher(
+        [*PRELOAD, *(f"transformers.models.{t}.modeling_{t}" for t in families if t)]
+    )
+    launcher.begin()
+    return launcher
 
 
 def controller_process(

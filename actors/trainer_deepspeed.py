@@ -130,7 +130,7 @@ def _eager(fn):
     return fn
 
 
-def _import_deepspeed():
+def import_deepspeed():
     """Import DeepSpeed quietly, without the shm_comm JIT build (see the module docstring) and
     without compiling its Muon optimizer's functions."""
     import deepspeed
@@ -240,7 +240,7 @@ class DeepSpeedTrainer:
 
         if not dist.is_initialized():
             raise RuntimeError("DeepSpeedTrainer needs torch.distributed: init_process_group first")
-        deepspeed = _import_deepspeed()
+        deepspeed = import_deepspeed()
         self.settings = settings = settings or TrainingSettings()
         self.checkpoint = str(checkpoint)
         self.clock = clock

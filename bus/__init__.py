@@ -33,10 +33,13 @@ Time (``clock``)
     Clock protocol: now(), await sleep(dt), call_later(dt, fn, *args), rng
     RealClock(seed=None), VirtualClock(seed=0), run_virtual(main, seed=0), run_real(main)
 
-Supervision (``supervisor``, ``child``)
-    Supervisor(clock=None, policy=None); add_actor(name, factory); add_process(name,
-    "module:function", kwargs=..., env=...); await start() / wait() / stop() / run()
+Supervision (``supervisor``, ``child``, ``zygote``)
+    Supervisor(clock=None, policy=None, launcher=None); add_actor(name, factory);
+    add_process(name, "module:function", kwargs=..., env=...); await start() / wait() /
+    stop() / run()
     RestartPolicy(restart, max_restarts, window, backoff, backoff_factor, backoff_max)
+    Launcher: how process children start: ExecLauncher() (a fresh interpreter each, the
+    default), ZygoteLauncher(preload).begin() (forked from a server that imported preload)
 
 Errors (``errors``)
     BusError > RequestTimeout, RemoteError, Unreachable, ProtocolError,

@@ -7,9 +7,11 @@ the restarts still inside the window). When it has already been restarted
 ``max_restarts`` times within the last ``window`` seconds, the supervisor escalates:
 it stops every child and ``wait()``/``run()`` raise ``SupervisorEscalation``.
 
-Child processes run ``python -m pivot.bus.child`` in their own process group. They
-ask the kernel for SIGTERM when the supervisor dies (``PR_SET_PDEATHSIG``), and the
-supervisor stops them with SIGTERM to the group, then SIGKILL after ``stop_timeout``.
+Child processes run ``python -m pivot.bus.child`` in their own process group, each a fresh
+interpreter (``ExecLauncher``) or forked from a server that imported their libraries once
+(``pivot.bus.zygote``: the supervisor's ``launcher``). They ask the kernel for SIGTERM when
+their parent dies (``PR_SET_PDEATHSIG``: the supervisor, or the server, which asks the same
+for the supervisor), and the supervisor stops them with SIGTERM to the group, then SIGKILL after ``stop_timeout``.
 So neither a clean stop, nor a signal, nor a crash of the supervisor leaves orphans.
 
 Process children added with the same ``group`` are supervised as one unit (the ranks of
@@ -31,8 +33,8 @@ import os
 import signal
 import sys
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Literal
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Literal, Protocol
 
 import msgspec
 
@@ -97,6 +99,45 @@ class SupervisorEvent(msgspec.Struct, frozen=True):
     detail: str = ""
 
 
+class ProcessHandle(Protocol):
+    """A started child process as the supervisor watches it (``asyncio.subprocess.Process``
+    is one): its pid (its process group's too), the pipe it says ``READY``/``FAILED`` on, and
+    its exit code (negative: the signal that ended it)."""
+
+    pid: int
+    stdout: asyncio.StreamReader | None
+    returncode: int | None
+
+    async def wait(self) -> int: ...
+
+
+class Launcher(Protocol):
+    """How child processes come to be: ``spawn`` starts ``python -m pivot.bus.child ARGS``
+    (``--parent-pid`` added) with ``env`` as its environment, in its own session, stdin from
+    /dev/null, stdout a pipe; ``close`` once its children are stopped."""
+
+    async def spawn(self, args: Sequence[str], env: Mapping[str, str]) -> ProcessHandle: ...
+
+    async def close(self) -> None: ...
+
+
+class ExecLauncher:
+    """Each child a fresh interpreter (it imports what it needs itself)."""
+
+    async def spawn(self, args: Sequence[str], env: Mapping[str, str]) -> ProcessHandle:
+        return await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "pivot.bus.child", *args,
+            "--parent-pid", str(os.getpid()),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            env=dict(env),
+            start_new_session=True,  # its own process group: we signal the whole group
+        )  # fmt: skip
+
+    async def close(self) -> None:
+        return None
+
+
 class _Child:
     """One supervised thing: knows how to start it, wait for its end, stop it."""
 
@@ -151,9 +192,11 @@ class _ProcessChild(_Child):
         stop_timeout: float,
         restart_kwargs: Mapping[str, Any] | None = None,
         after_earlier: bool = False,
+        launcher: Launcher | None = None,
     ) -> None:
         self.name = name
         self.after_earlier = after_earlier
+        self._launcher = launcher or ExecLauncher()
         self.policy = policy
         self._target = target
         self._kwargs = json.dumps(dict(kwargs))
@@ -162,7 +205,7 @@ class _ProcessChild(_Child):
         self._env = env
         self._ready_timeout = ready_timeout
         self._stop_timeout = stop_timeout
-        self.process: asyncio.subprocess.Process | None = None
+        self.process: ProcessHandle | None = None
         self._starts = 0
 
     @property
@@ -175,17 +218,9 @@ class _ProcessChild(_Child):
         env[START_ENV] = str(self._starts)
         kwargs = self._kwargs if self._starts == 0 else self._restart_kwargs
         self._starts += 1
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "pivot.bus.child",
-            "--name", self.name,
-            "--target", self._target,
-            "--kwargs", kwargs,
-            "--parent-pid", str(os.getpid()),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            env=env,
-            start_new_session=True,  # its own process group: we signal the whole group
-        )  # fmt: skip
+        process = await self._launcher.spawn(
+            ["--name", self.name, "--target", self._target, "--kwargs", kwargs], env
+        )
         self.process = process
         assert process.stdout is not None
         try:
@@ -308,8 +343,11 @@ class Supervisor:
         policy: RestartPolicy | None = None,
         name: str = "supervisor",
         stats_dir: str | os.PathLike[str] | None = None,
+        launcher: Launcher | None = None,
     ) -> None:
         self.clock: Clock = clock if clock is not None else RealClock()
+        # how process children start (``pivot.bus.zygote`` forks them); closed by ``stop``
+        self.launcher: Launcher = launcher if launcher is not None else ExecLauncher()
         self.policy = policy if policy is not None else RestartPolicy()
         self.name = name
         # each process child keeps its bus counters in stats_dir/<name>.json
@@ -373,6 +411,7 @@ class Supervisor:
             stop_timeout,
             restart_kwargs,
             after_earlier,
+            self.launcher,
         )
         if group is None:
             self._add(child)
@@ -548,6 +587,7 @@ class Supervisor:
                 if end is not None:
                     self.log.error("child did not stop cleanly", child=child.name, error=repr(end))
                 self._event(child.name, "stopped")
+        await self.launcher.close()
         if self._stopped is not None:
             self._stopped.set()
 

@@ -268,9 +268,9 @@ def run_deployment(
     )
     run_dir = run_dir or root / kind
     run_dir.mkdir(parents=True, exist_ok=True)
-    runner = Job(job, policy, genrm, inputs, run_dir, Console(file=io.StringIO()))
     started = time.perf_counter()
-    with logs_to(run_dir / "actors.log"), HostCpu() as cpu:
+    with logs_to(run_dir / "actors.log"), HostCpu() as cpu:  # the Job's fork server logs there
+        runner = Job(job, policy, genrm, inputs, run_dir, Console(file=io.StringIO()))
         reports, monitor = run_real(runner.run())
     migrations = [m for s in runner.assembly.schedulers.values() for m in s.migrations]
     return DeploymentRun(

@@ -43,8 +43,7 @@ from pivot.actors.driver import Scores, StepReport
 from pivot.actors.event_hub import EventHub, initial_devices
 from pivot.actors.metering import DeviceMeter
 from pivot.actors.monitor import Monitor
-from pivot.actors.param_store import job_store_name, remove_orphaned_stores, remove_store
-from pivot.actors.processes import ControllerSpec, ProcessBackend
+from pivot.actors.processes import ControllerSpec, ProcessBackend, job_launcher
 from pivot.actors.sources import FunctionReward, GenRMJudge, PromptSource
 from pivot.actors.trainer import restart_text
 from pivot.actors.vocabulary import rl_messages
@@ -193,6 +192,14 @@ class Job:
         self.job_file: JobFile | None = None  # RUN/job.json, once run() starts
         # ipc paths must stay under ~100 bytes: sockets live in a short temporary folder; those
         # of runs killed before they could remove theirs go now
+        checkpoints = {Role.ROLLOUT: self.policy}
+        if self.genrm is not None:
+            checkpoints[Role.REWARD] = self.genrm
+        # the children's fork server first: it imports while this process goes on
+        self.launcher = job_launcher(self.layout.accelerator, job.model.engine, checkpoints)
+        # (the store's module imports torch, which this process needs for nothing else)
+        from pivot.actors.param_store import job_store_name, remove_orphaned_stores
+
         remove_orphaned_socket_dirs()
         remove_orphaned_stores()  # GPS stores of runs killed before they could remove theirs
         self.sockets = make_socket_dir()
@@ -202,9 +209,6 @@ class Job:
             directory.add(DRIVER, msgspec.structs.replace(driver_at, also_rep=(job.attach.tcp,)))
         # the children sign with the job's secret when one is set: this process must too
         self.bus = Bus.nng(directory, rl_messages(), secret=job_secret())
-        checkpoints = {Role.ROLLOUT: self.policy}
-        if self.genrm is not None:
-            checkpoints[Role.REWARD] = self.genrm
         control = job.control
         # the Controller runs in its own process, built from this
         self.controller = ControllerSpec(
@@ -383,7 +387,9 @@ class Job:
             meter=DeviceMeter(d),
         )
         sup = Supervisor(
-            policy=RestartPolicy(max_restarts=2, window=60.0), stats_dir=run_dir / BUS_STATS
+            policy=RestartPolicy(max_restarts=2, window=60.0),
+            stats_dir=run_dir / BUS_STATS,
+            launcher=self.launcher,
         )
         counters = BusStatsFile(self.bus, run_dir / BUS_STATS / "main.json", process="main")
         self.assembly = assemble(
@@ -487,6 +493,8 @@ class Job:
             finally:
                 hub.flush()
                 events.close()
+            from pivot.actors.param_store import remove_store
+
             remove_store(self.backend.store)  # the job's: it outlived every trainer rank
             await counters.close()  # the children wrote their final counts as they stopped
             await self.bus.close()
@@ -837,7 +845,7 @@ def check_model(folder: Path) -> tuple[DecoderSpec | FallbackSpec, TextCodec]:
 @contextlib.contextmanager
 def logs_to(path: Path) -> Iterator[None]:
     """Actors' JSON logs (ours and the children's, which inherit stderr) go to ``path``."""
-    saved_stderr = os.dup(2)
+    saved_stderr, stderr_before = os.dup(2), sys.stderr
     log = path.open("ab")
     os.dup2(log.fileno(), 2)
     sys.stderr = os.fdopen(os.dup(2), "w", buffering=1)
@@ -849,7 +857,7 @@ def logs_to(path: Path) -> Iterator[None]:
             sys.stderr.flush()
         os.dup2(saved_stderr, 2)
         os.close(saved_stderr)
-        sys.stderr = sys.__stderr__
+        sys.stderr = stderr_before  # (a caller's own, such as pytest's capture)
         log.close()
 
 
@@ -923,11 +931,12 @@ def main(args: argparse.Namespace) -> int:
         view.done = resume.state.next_step
     runner: Job | None = None
     try:
-        runner = Job(
-            job, policy, genrm, inputs, run_dir, console, view, tracker, resume, config=config
-        )
-        with logs_to(run_dir / "actors.log"), Live(view, console=console, refresh_per_second=4):
-            reports, monitor = run_real(runner.run())
+        with logs_to(run_dir / "actors.log"):  # the fork server the Job starts logs there too
+            runner = Job(
+                job, policy, genrm, inputs, run_dir, console, view, tracker, resume, config=config
+            )
+            with Live(view, console=console, refresh_per_second=4):
+                reports, monitor = run_real(runner.run())
     except KeyboardInterrupt as exc:
         # the plot and report of what ran, as a finished run gets; they must not hide the
         # interrupt

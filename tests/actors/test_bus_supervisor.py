@@ -10,7 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -31,7 +31,9 @@ from pivot.bus import (
     started,
 )
 from pivot.bus.statsfile import read_stats_dir
+from pivot.bus.supervisor import Launcher
 from pivot.bus.testing import TESTING_MESSAGES, Crash, Echo, EchoActor
+from pivot.bus.zygote import ZygoteLauncher
 
 
 class Flaky(Actor):
@@ -150,11 +152,13 @@ SUPERVISOR_SCRIPT = textwrap.dedent(
     """
     import asyncio, sys
     from pivot.bus import Directory, Supervisor, configure_logging
+    from pivot.bus.zygote import ZygoteLauncher
 
     async def main():
         configure_logging("warning")
         directory = Directory.ipc(sys.argv[1], ["a", "b"])
-        supervisor = Supervisor()
+        forking = sys.argv[2] == "zygote"
+        supervisor = Supervisor(launcher=ZygoteLauncher(["pivot.bus.testing"]) if forking else None)
         for name in ("a", "b"):
             supervisor.add_process(
                 name, "pivot.bus.testing:echo_actor", kwargs={"directory": directory.to_dict()}
@@ -162,7 +166,8 @@ SUPERVISOR_SCRIPT = textwrap.dedent(
         supervisor.install_signal_handlers()
         try:
             await supervisor.start()
-            print("PIDS", supervisor.pid("a"), supervisor.pid("b"), flush=True)
+            server = [supervisor.launcher.pid] if forking else []
+            print("PIDS", supervisor.pid("a"), supervisor.pid("b"), *server, flush=True)
             await supervisor.wait()
         finally:
             await supervisor.stop()
@@ -176,15 +181,17 @@ SUPERVISOR_SCRIPT = textwrap.dedent(
 SupervisorProcess = tuple[subprocess.Popen[str], list[int], Path]
 
 
-@pytest.fixture
+@pytest.fixture(params=["exec", "zygote"])
 def supervisor_process(
-    tmp_path_factory: pytest.TempPathFactory,
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[SupervisorProcess]:
+    """A supervisor process and its two children (each exec'd, or forked from its fork server:
+    then the server's pid is the third)."""
     folder = tmp_path_factory.mktemp("sup")
     script = folder / "supervise.py"
     script.write_text(SUPERVISOR_SCRIPT)
     process = subprocess.Popen(
-        [sys.executable, str(script), str(folder)], stdout=subprocess.PIPE, text=True
+        [sys.executable, str(script), str(folder), request.param], stdout=subprocess.PIPE, text=True
     )
     assert process.stdout is not None
     line = process.stdout.readline()
@@ -223,9 +230,11 @@ def test_children_die_with_a_killed_supervisor(supervisor_process: SupervisorPro
     assert wait_until_gone(pids) == []
 
 
-async def test_crashed_child_process_is_restarted(tmp_path_factory: pytest.TempPathFactory) -> None:
+async def test_crashed_child_process_is_restarted(
+    tmp_path_factory: pytest.TempPathFactory, launcher
+) -> None:
     directory = Directory.ipc(tmp_path_factory.mktemp("ipc"), ["echo", "probe"])
-    supervisor = Supervisor(policy=RestartPolicy(backoff=0.05))
+    supervisor = Supervisor(policy=RestartPolicy(backoff=0.05), launcher=launcher())
     supervisor.add_process(
         "echo", "pivot.bus.testing:echo_actor", kwargs={"directory": directory.to_dict()}
     )
@@ -264,11 +273,20 @@ def chatty_echo(name: str, *, directory: dict):
     return echo_actor(name, directory=directory)
 
 
-def test_child_printing_before_ready_still_starts(tmp_path):
+@pytest.fixture(params=["exec", "zygote"])
+def launcher(request: pytest.FixtureRequest) -> Callable[[], Launcher | None]:
+    """Makes a supervisor's launcher: each child exec'd (None: the default), or forked from a
+    fork server."""
+    if request.param == "exec":
+        return lambda: None
+    return lambda: ZygoteLauncher(["pivot.bus.testing"])
+
+
+def test_child_printing_before_ready_still_starts(tmp_path, launcher):
     directory = Directory.ipc(tmp_path, ["chatty", "client"])
 
     async def main():
-        sup = Supervisor()
+        sup = Supervisor(launcher=launcher())
         sup.add_process(
             "chatty",
             "test_bus_supervisor:chatty_echo",
@@ -289,11 +307,11 @@ def test_child_printing_before_ready_still_starts(tmp_path):
     run_real(main())
 
 
-async def test_a_child_says_why_it_died_before_and_after_ready(tmp_path_factory) -> None:
+async def test_a_child_says_why_it_died_before_and_after_ready(tmp_path_factory, launcher) -> None:
     """The cause reaches the supervisor in one line (the child's FAILED line), not only the
     child's log: an actor that cannot be made, and one that crashes while it runs."""
     directory = Directory.ipc(tmp_path_factory.mktemp("ipc"), ["broken", "echo", "probe"])
-    early = Supervisor(policy=RestartPolicy(restart="never"))
+    early = Supervisor(policy=RestartPolicy(restart="never"), launcher=launcher())
     early.add_process(
         "broken",
         "pivot.bus.testing:unmakeable_actor",
@@ -305,7 +323,9 @@ async def test_a_child_says_why_it_died_before_and_after_ready(tmp_path_factory)
     await early.stop()
 
     stats_dir = tmp_path_factory.mktemp("bus")
-    late = Supervisor(policy=RestartPolicy(restart="never"), stats_dir=stats_dir)
+    late = Supervisor(
+        policy=RestartPolicy(restart="never"), stats_dir=stats_dir, launcher=launcher()
+    )
     late.add_process(
         "echo", "pivot.bus.testing:echo_actor", kwargs={"directory": directory.to_dict()}
     )

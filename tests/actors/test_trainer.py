@@ -547,8 +547,8 @@ def test_a_rank_imports_deepspeed_without_compiling_its_muon_optimizer() -> None
     import sys
 
     code = (
-        "from pivot.actors.trainer_deepspeed import _import_deepspeed\n"
-        "_import_deepspeed()\n"
+        "from pivot.actors.trainer_deepspeed import import_deepspeed\n"
+        "import_deepspeed()\n"
         "import deepspeed.runtime.zero.muon.original_muon as muon\n"
         "fns = ('zeropower_via_newtonschulz5', 'zeropower_via_gram_newtonschulz', 'muon_update')\n"
         "print([n for n in fns if hasattr(getattr(muon, n), '_torchdynamo_orig_callable')])\n"

@@ -329,8 +329,10 @@ def _children_of(pid: int) -> list[int]:
 
 
 def _is_agent(pid: int) -> bool:
+    """A supervised child (its own interpreter, or forked from a job's fork server)."""
     try:
-        return b"pivot.bus.child" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        return b"pivot.bus.child" in command or b"pivot.bus.zygote" in command
     except OSError:
         return False
 
