@@ -183,3 +183,22 @@ async def test_the_children_of_a_dead_server_come_back_by_exec(tmp_path) -> None
     finally:
         await supervisor.stop()
         await bus.close()
+
+
+async def test_a_cpu_job_forks_its_children_with_its_models_modules_and_a_cuda_job_execs_them():
+    from pivot.actors.processes import PRELOAD, job_launcher
+    from pivot.assets import ASSETS
+    from pivot.bus.supervisor import ExecLauncher
+    from pivot.cluster import Role
+
+    checkpoints = {Role.ROLLOUT: ASSETS / "tiny-policy", Role.REWARD: ASSETS / "tiny-genrm"}
+    for accelerator, engine in (("cuda", "torch"), ("cpu", "sglang")):
+        assert isinstance(job_launcher(accelerator, engine, checkpoints), ExecLauncher)
+    launcher = job_launcher("cpu", "torch", checkpoints)
+    try:
+        assert isinstance(launcher, ZygoteLauncher) and launcher.pid is not None  # begun
+        # both tiny models are qwen2: the trainer's transformers module, once
+        assert launcher.preload == [*PRELOAD, "transformers.models.qwen2.modeling_qwen2"]
+    finally:
+        await launcher.close()
+    assert not _alive(launcher.pid)
