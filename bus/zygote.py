@@ -30,6 +30,12 @@ refuses to serve, and so does one that does not start within ``ready_timeout``: 
 launcher then starts every child with ``ExecLauncher``, and says so once. So does it for the
 children after the server dies (they die with it, through their death signal).
 
+Why not ``multiprocessing``'s forkserver: it is one per interpreter, with one preload list for
+the process's life (a test suite's supervisors each want their own); its children inherit the
+server's stdio, where a supervised child's stdout is a pipe of its own (``READY``/``FAILED``)
+and its process group is its own to be signalled; and it runs a pickled ``Process``, not
+``pivot.bus.child``, so exec'd and forked children would start two different ways.
+
 Protocol: one ``SOCK_SEQPACKET`` pair, one JSON message per packet. Launcher to server:
 ``{"args", "env", "cwd"}`` with three descriptors (stdin, stdout, stderr). Server to
 launcher: ``{"ready": pid}`` or ``{"refused": reason}`` once, then ``{"spawned": pid}`` per
