@@ -91,6 +91,22 @@ class ForkedProcess:
         return await asyncio.shield(self._ended)
 
 
+class _ClosingAtEof(asyncio.StreamReaderProtocol):
+    """A child's stdout pipe, closed at its end: uvloop leaves a read pipe's transport open
+    at EOF, and closes its descriptor only when collected, after the pipe's file object may
+    have closed it first, so that the second close hits whatever reused the number (a
+    tensorboard writer's file, in a job whose Controller was restarted)."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._pipe = transport
+
+    def eof_received(self) -> bool:
+        super().eof_received()
+        self._pipe.close()  # the transport closes the file object too: one close
+        return False
+
+
 class ZygoteLauncher:
     """Starts children by fork from a server that imported ``preload`` (module names, or
     ``module:function`` to call once imported): see the module docstring."""
@@ -163,11 +179,10 @@ class ZygoteLauncher:
         forked: asyncio.Future[ForkedProcess] = loop.create_future()
         self._pending.append((forked, read_end))
         process = await forked
-        stdout = asyncio.StreamReader()
+        process.stdout = asyncio.StreamReader()
         await loop.connect_read_pipe(
-            lambda: asyncio.StreamReaderProtocol(stdout), os.fdopen(read_end, "rb", 0)
+            lambda: _ClosingAtEof(process.stdout), os.fdopen(read_end, "rb", 0)
         )
-        process.stdout = stdout
         return process
 
     async def close(self) -> None:

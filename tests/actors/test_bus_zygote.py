@@ -14,7 +14,7 @@ import threading
 import time
 from pathlib import Path
 
-from pivot.bus import Actor, Bus, Directory, RestartPolicy, Supervisor, started
+from pivot.bus import Actor, Bus, Directory, RestartPolicy, Supervisor, run_real, started
 from pivot.bus.testing import TESTING_MESSAGES, Echo, echo_actor
 from pivot.bus.zygote import ZygoteLauncher
 
@@ -202,3 +202,45 @@ async def test_a_cpu_job_forks_its_children_with_its_models_modules_and_a_cuda_j
     finally:
         await launcher.close()
     assert not _alive(launcher.pid)
+
+
+def _pipes() -> int:
+    """This process's open pipes (an fd listed may close before it is read)."""
+    found = 0
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            found += os.readlink(fd).startswith("pipe:")
+        except FileNotFoundError:
+            pass
+    return found
+
+
+def test_a_forked_childs_stdout_pipe_is_closed_once_it_ends_under_uvloop(tmp_path) -> None:
+    """uvloop leaves a read pipe open at EOF and closes it only when collected, possibly after
+    its file object did: a second close of a number another file reuses. Each child's pipe
+    must be closed when it ends: none is left open after a crash, a restart and a stop."""
+    directory = Directory.ipc(tmp_path, ["echo", "probe"])
+
+    async def main() -> tuple[int, int]:
+        before = _pipes()
+        launcher = ZygoteLauncher(["pivot.bus.testing"])
+        supervisor = Supervisor(launcher=launcher, policy=RestartPolicy(backoff=0.05))
+        supervisor.add_process(
+            "echo", "pivot.bus.testing:echo_actor", kwargs={"directory": directory.to_dict()}
+        )
+        await supervisor.start()
+        bus = Bus.nng(directory, TESTING_MESSAGES)
+        try:
+            first = supervisor.pid("echo")
+            os.kill(first, signal.SIGKILL)
+            await _restarted(supervisor, "echo", first)
+            async with started(Actor("probe", bus)) as (probe,):
+                assert await _serving(probe, "echo") == "echo"
+        finally:
+            await supervisor.stop()
+            await bus.close()
+        await asyncio.sleep(0.1)
+        return before, _pipes()
+
+    before, after = run_real(main())  # uvloop, as pivot run's
+    assert after == before
