@@ -41,7 +41,7 @@ from pivot.planning.cost import CostModel
 from pivot.planning.routing import Router, RouterSettings
 from pivot.training import TrainingSettings
 
-#: What a job's children import before they serve (``ProcessBackend.launcher``): a role
+#: What a job's children import before they serve (``job_launcher``'s preload): a role
 #: agent, its engines and their checkpoint reader; a trainer rank's DeepSpeed (as it imports
 #: it); the Controller's process. The model families' transformers modules are added per job.
 PRELOAD = (

@@ -11,7 +11,8 @@ Child processes run ``python -m pivot.bus.child`` in their own process group, ea
 interpreter (``ExecLauncher``) or forked from a server that imported their libraries once
 (``pivot.bus.zygote``: the supervisor's ``launcher``). They ask the kernel for SIGTERM when
 their parent dies (``PR_SET_PDEATHSIG``: the supervisor, or the server, which asks the same
-for the supervisor), and the supervisor stops them with SIGTERM to the group, then SIGKILL after ``stop_timeout``.
+for the supervisor), and the supervisor stops them with SIGTERM to the group, then SIGKILL
+after ``stop_timeout``.
 So neither a clean stop, nor a signal, nor a crash of the supervisor leaves orphans.
 
 Process children added with the same ``group`` are supervised as one unit (the ranks of
@@ -192,11 +193,12 @@ class _ProcessChild(_Child):
         stop_timeout: float,
         restart_kwargs: Mapping[str, Any] | None = None,
         after_earlier: bool = False,
-        launcher: Launcher | None = None,
+        *,
+        launcher: Launcher,
     ) -> None:
         self.name = name
         self.after_earlier = after_earlier
-        self._launcher = launcher or ExecLauncher()
+        self._launcher = launcher
         self.policy = policy
         self._target = target
         self._kwargs = json.dumps(dict(kwargs))
@@ -259,15 +261,15 @@ class _ProcessChild(_Child):
         process = self.process
         if process is None or process.returncode is not None:
             return
-        _signal_group(process.pid, signal.SIGTERM)
+        signal_group(process.pid, signal.SIGTERM)
         try:
             async with asyncio.timeout(self._stop_timeout):
                 await process.wait()
         except TimeoutError:
-            _signal_group(process.pid, signal.SIGKILL)
+            signal_group(process.pid, signal.SIGKILL)
             await process.wait()
         # anything its children left in the group goes too
-        _signal_group(process.pid, signal.SIGKILL)
+        signal_group(process.pid, signal.SIGKILL)
 
 
 class _ProcessGroup(_Child):
@@ -328,7 +330,8 @@ def _failed(line: bytes) -> str | None:
     return None
 
 
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
+def signal_group(pgid: int, sig: signal.Signals) -> None:
+    """``sig`` to the process group ``pgid`` (a child's), if there is one to reach."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
 
@@ -411,7 +414,7 @@ class Supervisor:
             stop_timeout,
             restart_kwargs,
             after_earlier,
-            self.launcher,
+            launcher=self.launcher,
         )
         if group is None:
             self._add(child)

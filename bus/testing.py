@@ -106,3 +106,12 @@ def meet_on_stop(
     """Factory for ``Supervisor.add_process``: a ``MeetOnStop`` on nng."""
     bus = Bus.nng(Directory.from_dict(directory), TESTING_MESSAGES)
     return MeetOnStop(name, bus, folder=folder, others=others, wait_s=wait_s)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited (a zombie, not yet reaped, has)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"

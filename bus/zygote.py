@@ -64,7 +64,7 @@ from typing import Any
 
 from pivot.bus import child
 from pivot.bus.logs import get_logger
-from pivot.bus.supervisor import ExecLauncher, ProcessHandle
+from pivot.bus.supervisor import ExecLauncher, ProcessHandle, signal_group
 
 #: The largest message either side sends: a request carries the child's kwargs (JSON).
 MAX_MESSAGE = 1 << 20
@@ -271,9 +271,7 @@ class ZygoteLauncher:
             if not forked.done():
                 forked.set_exception(OSError(why))
         for pid, process in list(self._children.items()):
-            # its death signal is on its way; make sure, and report it ended
-            with contextlib.suppress(OSError, ValueError, RuntimeError):
-                os.killpg(pid, signal.SIGKILL)
+            signal_group(pid, signal.SIGKILL)  # its death signal is on its way; make sure
             process.exited(-signal.SIGKILL)
         self._children.clear()
         if self._server is not None and self._server.poll() is None:

@@ -43,6 +43,7 @@ from pivot.actors.driver import Scores, StepReport
 from pivot.actors.event_hub import EventHub, initial_devices
 from pivot.actors.metering import DeviceMeter
 from pivot.actors.monitor import Monitor
+from pivot.actors.param_store import job_store_name, remove_orphaned_stores, remove_store
 from pivot.actors.processes import ControllerSpec, ProcessBackend, job_launcher
 from pivot.actors.sources import FunctionReward, GenRMJudge, PromptSource
 from pivot.actors.trainer import restart_text
@@ -190,16 +191,13 @@ class Job:
         self.account: MeasuredAccount | None = None  # once the job stopped after a step
         self.events: EventHub | None = None  # likewise
         self.job_file: JobFile | None = None  # RUN/job.json, once run() starts
-        # ipc paths must stay under ~100 bytes: sockets live in a short temporary folder; those
-        # of runs killed before they could remove theirs go now
         checkpoints = {Role.ROLLOUT: self.policy}
         if self.genrm is not None:
             checkpoints[Role.REWARD] = self.genrm
         # the children's fork server first: it imports while this process goes on
         self.launcher = job_launcher(self.layout.accelerator, job.model.engine, checkpoints)
-        # (the store's module imports torch, which this process needs for nothing else)
-        from pivot.actors.param_store import job_store_name, remove_orphaned_stores
-
+        # ipc paths must stay under ~100 bytes: sockets live in a short temporary folder; those
+        # of runs killed before they could remove theirs go now
         remove_orphaned_socket_dirs()
         remove_orphaned_stores()  # GPS stores of runs killed before they could remove theirs
         self.sockets = make_socket_dir()
@@ -493,8 +491,6 @@ class Job:
             finally:
                 hub.flush()
                 events.close()
-            from pivot.actors.param_store import remove_store
-
             remove_store(self.backend.store)  # the job's: it outlived every trainer rank
             await counters.close()  # the children wrote their final counts as they stopped
             await self.bus.close()

@@ -33,6 +33,7 @@ from pivot.bus import (
 from pivot.bus.statsfile import read_stats_dir
 from pivot.bus.supervisor import Launcher
 from pivot.bus.testing import TESTING_MESSAGES, Crash, Echo, EchoActor
+from pivot.bus.testing import process_alive as alive
 from pivot.bus.zygote import ZygoteLauncher
 
 
@@ -128,14 +129,6 @@ def test_restarted_actor_serves_again() -> None:
 
 
 # -- child processes
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-    return state != "Z"
 
 
 def wait_until_gone(pids: list[int], seconds: float = 15.0) -> list[int]:

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from pivot.bus import Actor, Bus, Directory, RestartPolicy, Supervisor, run_real, started
-from pivot.bus.testing import TESTING_MESSAGES, Echo, echo_actor
+from pivot.bus.testing import TESTING_MESSAGES, Echo, echo_actor, process_alive
 from pivot.bus.zygote import ZygoteLauncher
 
 HERE = str(Path(__file__).parent)
@@ -41,14 +41,6 @@ def record_start(name: str, *, directory: dict, out: str) -> Actor:
 def start_a_thread() -> None:
     """A preload that leaves a thread running (a fork would copy only its caller)."""
     threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 async def _serving(probe: Actor, name: str) -> str:
@@ -97,12 +89,12 @@ async def test_a_forked_child_is_the_child_exec_makes_with_the_servers_modules(
     finally:
         await supervisor.stop()
         await bus.close()
-    assert not _alive(child["pid"])
+    assert not process_alive(child["pid"])
     for _ in range(100):  # the server ends once its launcher closed
-        if not _alive(launcher.pid):
+        if not process_alive(launcher.pid):
             break
         await asyncio.sleep(0.02)
-    assert not _alive(launcher.pid)
+    assert not process_alive(launcher.pid)
 
 
 async def test_a_preload_that_leaves_a_thread_makes_children_start_by_exec(
@@ -148,7 +140,7 @@ async def test_the_children_of_a_dead_server_come_back_by_exec(tmp_path) -> None
         assert json.loads(out.read_text())["ppid"] == launcher.pid
         os.kill(launcher.pid, signal.SIGKILL)
         await _restarted(supervisor, "echo", first)
-        assert not _alive(first)  # it died with its server
+        assert not process_alive(first)  # it died with its server
         async with started(Actor("probe", bus)) as (probe,):
             assert await _serving(probe, "echo") == "echo"
         assert json.loads(out.read_text())["ppid"] == os.getpid()
@@ -174,7 +166,7 @@ async def test_a_cpu_job_forks_its_children_with_its_models_modules_and_a_cuda_j
         assert launcher.preload == [*PRELOAD, "transformers.models.qwen2.modeling_qwen2"]
     finally:
         await launcher.close()
-    assert not _alive(launcher.pid)
+    assert not process_alive(launcher.pid)
 
 
 def _pipes() -> int:

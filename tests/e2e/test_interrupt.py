@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from pivot.bus.testing import process_alive
+
 
 def _descendants(pid: int) -> set[int]:
     found: set[int] = set()
@@ -31,14 +33,6 @@ def _descendants(pid: int) -> set[int]:
                     found.add(child)
                     todo.append(child)
     return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _socket_folders(pid: int) -> list[Path]:
@@ -83,9 +77,9 @@ def test_a_signal_mid_run_stops_every_child_and_keeps_the_steps_done(tmp_path, s
     assert f"interrupted by {sig.name} after" in rest
     assert rest.rstrip().endswith(f"pivot: interrupted by {sig.name}")
     deadline = time.monotonic() + 0.5  # the slack the fixed wait gave, polled
-    while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+    while any(process_alive(pid) for pid in children) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert [pid for pid in children if _alive(pid)] == []
+    assert [pid for pid in children if process_alive(pid)] == []
     steps = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert len(steps) >= 2
     # the plot and the report of what ran, as a finished run leaves
