@@ -561,7 +561,12 @@ def test_a_rank_imports_deepspeed_without_compiling_its_muon_optimizer() -> None
     assert (compiled, name) == ("[]", "muon_update"), done.stdout
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module", params=[2, 3], ids=["zero2", "zero3"])
+@pytest_asyncio.fixture(
+    scope="module",
+    loop_scope="module",
+    params=[2, pytest.param(3, marks=pytest.mark.fused_adam)],
+    ids=["zero2", "zero3"],
+)
 async def group(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest):
     """The group at ZeRO-2 and at ZeRO-3 (parameters partitioned: no persistence threshold;
     DeepSpeed's FusedAdam, JIT-built on first use)."""
