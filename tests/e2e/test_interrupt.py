@@ -1,7 +1,10 @@
-"""`kill` (SIGTERM) or a closed terminal (SIGHUP) on `pivot run` stops it as Ctrl-C does: every
-child process (role agents, trainer ranks) stops, the run directory keeps the steps done, the
-socket folder goes, and the exit code is 128 + the signal's (143, 129). Ctrl-C itself (130) is
-tests/e2e/test_run.py's resume test."""
+"""`kill` (SIGTERM) on `pivot run` stops it as Ctrl-C does: every child process (role agents,
+trainer ranks) stops, the run directory keeps the steps done, the socket folder goes, and the
+exit code is 143. Ctrl-C itself (130) is tests/e2e/test_run.py's resume test. A closed
+terminal's SIGHUP takes the same handlers (``pivot.cli.interrupts.RAISED``, the supervisor's
+``STOP_SIGNALS``): its exit code and message are tests/unit/test_interrupts.py's, the
+supervisor taking it over tests/actors/test_bus_supervisor.py's, so no second job runs here
+for it."""
 
 from __future__ import annotations
 
@@ -12,8 +15,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-import pytest
 
 from pivot.bus.testing import process_alive
 
@@ -43,8 +44,8 @@ def _socket_folders(pid: int) -> list[Path]:
     ]
 
 
-@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGHUP, 129)])
-def test_a_signal_mid_run_stops_every_child_and_keeps_the_steps_done(tmp_path, sig, code):
+def test_kill_mid_run_stops_every_child_and_keeps_the_steps_done(tmp_path):
+    sig, code = signal.SIGTERM, 143
     config = tmp_path / "long.toml"
     config.write_text(
         "steps = 100\n[cluster]\ndevices = 3\ntrainer_devices = 1\n"
