@@ -128,19 +128,60 @@ def test_a_users_policy_data_and_reward_function(examples):
     ]
 
 
-def test_a_users_genrm_reads_the_template_in_its_own_tokenizer(examples):
+def _gpt2(examples: Path) -> Path:
+    """GPT-2 (no rotary attention, learned positions, fused qkv), with the example policy's
+    tokenizer: a model outside pivot's families."""
+    import torch
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging
+
+    from pivot.engines.checkpoint import FallbackSpec, inspect_checkpoint
+
+    logging.disable_progress_bar()
+    folder = examples / "models" / "gpt2"
+    tokenizer = AutoTokenizer.from_pretrained(examples / "models" / "policy")
+    torch.manual_seed(0)
+    GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=len(tokenizer),
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=512,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+    ).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    assert isinstance(inspect_checkpoint(folder)[0], FallbackSpec)
+    return folder
+
+
+def test_a_users_genrm_judges_a_policy_outside_pivots_families(examples):
+    """The GenRM example with a GPT-2 policy (one job for two things a user brings): the GenRM
+    gets the template in its own tokenizer, its verdicts are the user's parser's; the policy
+    is served by the transformers fallback, trained by DeepSpeed, and its new weights are read
+    back through GPS every step."""
     from pivot.data import Record
     from pivot.engines.tokenizer import TextCodec
     from pivot.prompts import load_template
 
-    run_dir, reports, rows = _run(examples, "genrm.toml", "genrm", **{"steps = 4": "steps = 2"})
+    _gpt2(examples)
+    run_dir, reports, rows = _run(
+        examples,
+        "genrm.toml",
+        "genrm",
+        **{"steps = 4": "steps = 2", '"models/policy"': '"models/gpt2"'},
+    )
     genrm = TextCodec.from_dir(examples / "models" / "genrm")
-    policy = TextCodec.from_dir(examples / "models" / "policy")
+    policy = TextCodec.from_dir(examples / "models" / "gpt2")
     render = load_template(examples / "judge.j2", source="genrm.toml", key="reward.template")
     verdict = _user_module(examples / "reward.py").verdict
     data = [
         json.loads(line) for line in (examples / "data" / "train.jsonl").read_text().splitlines()
     ]
+    assert [r["train"]["version"] for r in reports] == [1, 2]
+    assert [r["policy_version"] for r in reports] == [0, 1]  # step 1 sampled the new weights
     assert len(rows) == 2 * 8 * 4
     for row in rows:
         record = data[row["index"]]
@@ -150,6 +191,7 @@ def test_a_users_genrm_reads_the_template_in_its_own_tokenizer(examples):
             reference=record["answer"],
             metadata={"id": record["id"], "style": record["style"]},
         )
+        assert row["response"] == policy.decode(row["response_ids"])
         messages = [
             {"role": "system", "content": "You are a strict grader."},
             {"role": "user", "content": render(as_record, row["response"])},
@@ -168,49 +210,8 @@ def test_a_users_genrm_reads_the_template_in_its_own_tokenizer(examples):
         failed = [r for r in rows if r["step"] == report["step"] and r["failure"] is not None]
         assert report["scores"]["reward_failures"] == len(failed)
         assert sum(report["reward_by_replica"].values()) == 8 * 4  # every response judged
-
-
-def test_a_model_outside_pivots_families_runs_on_the_fallback_engine(examples):
-    """GPT-2 (no rotary attention, learned positions, fused qkv): served by the transformers
-    fallback, trained by DeepSpeed, its new weights read back through GPS every step."""
-    import torch
-    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
-    from transformers.utils import logging
-
-    from pivot.engines.checkpoint import FallbackSpec, inspect_checkpoint
-
-    logging.disable_progress_bar()
-
-    folder = examples / "models" / "gpt2"
-    tokenizer = AutoTokenizer.from_pretrained(examples / "models" / "policy")
-    torch.manual_seed(0)
-    GPT2LMHeadModel(
-        GPT2Config(
-            vocab_size=len(tokenizer),
-            n_embd=64,
-            n_layer=2,
-            n_head=4,
-            n_positions=512,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
-    ).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    assert isinstance(inspect_checkpoint(folder)[0], FallbackSpec)
-    _, reports, rows = _run(
-        examples,
-        "function.toml",
-        "gpt2",
-        **{
-            "steps = 6": "steps = 2",
-            '"models/policy"': '"models/gpt2"',
-            "eval = ": "# eval = ",
-            "eval_every = ": "# eval_every = ",
-        },
-    )
-    assert [r["train"]["version"] for r in reports] == [1, 2]
-    assert [r["policy_version"] for r in reports] == [0, 1]  # step 1 sampled the new weights
-    assert len(rows) == 2 * 8 * 4 and all(r["failure"] is None for r in rows)
-    for report in reports:
-        scored = [r["score"] for r in rows if r["step"] == report["step"]]
-        assert report["scores"]["reward_mean"] == pytest.approx(sum(scored) / len(scored))
+        scored = [
+            r["score"] for r in rows if r["step"] == report["step"] and r["score"] is not None
+        ]
+        if scored:
+            assert report["scores"]["reward_mean"] == pytest.approx(sum(scored) / len(scored))
