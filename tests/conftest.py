@@ -13,10 +13,10 @@ threads, 0.6 s with one). A job's processes set their own threads whatever this 
 Tests marked ``fused_adam`` (the ZeRO-3 trainer's) need DeepSpeed's FusedAdam op, which a
 rank JIT-builds on first use: about 100 s of CPU, paid by every fresh checkout (the build is
 keyed by the venv's path). When any is collected, the build starts in the background at the
-lowest priority as the session starts, and those tests run last: the suite keeps about one of
-the two cores idle on average (waits on child processes), and the build takes that instead
-of holding the suite up. A rank that loads the op while the build runs waits for it (torch
-locks the build folder).
+lowest priority as the session starts, and those tests run last: the suite keeps the two
+cores about 1.2 busy on average (it waits on child processes), and the build takes what is
+left instead of holding the suite up. A rank that loads the op while the build runs waits for
+it (torch locks the build folder).
 """
 
 from __future__ import annotations
