@@ -52,6 +52,8 @@ def pytest_collection_modifyitems(
     if not last:
         return
     items[:] = [item for item in items if not item.get_closest_marker("fused_adam")] + last
+    if config.option.collectonly:
+        return
     # never stopped: a build killed midway would leave torch's lock on its folder
     subprocess.Popen(
         [sys.executable, "-c", BUILD_FUSED_ADAM],
