@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -96,6 +97,9 @@ from pivot.planning.cost import CostModel
 from pivot.planning.routing import RouterSettings, make_router
 from pivot.prompts import JudgePrompt
 from pivot.timeline import RoleSample, ShiftMark, TrainSpan
+
+if TYPE_CHECKING:  # aiohttp loads only for a job that asks for the gateway
+    from pivot.actors.gateway import Gateway
 
 # Estimate, not a measurement: the tiny models' per-step cost on one CPU thread. It ranks
 # replicas for routing and is the planner's prior; the Controller sees measured latencies.
@@ -191,11 +195,10 @@ class Job:
         self.account: MeasuredAccount | None = None  # once the job stopped after a step
         self.events: EventHub | None = None  # likewise
         self.job_file: JobFile | None = None  # RUN/job.json, once run() starts
+        self._gateway: Gateway | None = None  # likewise, with rollout.gateway
         checkpoints = {Role.ROLLOUT: self.policy}
         if self.genrm is not None:
             checkpoints[Role.REWARD] = self.genrm
-        # the children's fork server first: it imports while this process goes on
-        self.launcher = job_launcher(self.layout.accelerator, job.model.engine, checkpoints)
         # ipc paths must stay under ~100 bytes: sockets live in a short temporary folder; those
         # of runs killed before they could remove theirs go now
         remove_orphaned_socket_dirs()
@@ -249,6 +252,9 @@ class Job:
             ),
             controller=self.controller,
         )
+        # last, so that nothing here can fail with the server started: ``run`` closes it
+        # (it imports while this process builds the job's actors)
+        self.launcher = job_launcher(self.layout.accelerator, job.model.engine, checkpoints)
 
     def stop(self) -> None:
         """End the job now (its steps so far stay as they are): ``run`` stops every actor."""
@@ -266,6 +272,19 @@ class Job:
         ]
 
     async def run(self) -> tuple[list[StepReport], Monitor]:
+        try:
+            return await self._run()
+        finally:
+            # whatever way the job ended, before its Supervisor existed too (a gateway that
+            # could not start, an actor that could not be built): what __init__ opened goes
+            # (the Supervisor's stop closed the fork server already, if it got that far)
+            if self._gateway is not None:
+                await self._gateway.close()
+            await self.launcher.close()
+            await self.bus.close()
+            shutil.rmtree(self.sockets, ignore_errors=True)
+
+    async def _run(self) -> tuple[list[StepReport], Monitor]:
         job, run_dir, console, d = self.job, self.run_dir, self.console, self.deployment
         metrics = (run_dir / "metrics.jsonl").open("ab")
         timeline = (run_dir / "timeline.jsonl").open("ab")
@@ -369,7 +388,7 @@ class Job:
         if job.rollout.gateway:
             from pivot.actors.gateway import Gateway
 
-            gateway = Gateway(source.codec)
+            gateway = self._gateway = Gateway(source.codec)
             console.print(f"OpenAI gateway at {await gateway.start()}", style="dim")
         monitor = self.monitor = Monitor(
             MONITOR,
@@ -493,7 +512,6 @@ class Job:
                 events.close()
             remove_store(self.backend.store)  # the job's: it outlived every trainer rank
             await counters.close()  # the children wrote their final counts as they stopped
-            await self.bus.close()
             sup.remove_signal_handlers()
             metrics.close()
             self.account = self._account(driver.reports, monitor.device_meter)
@@ -507,9 +525,6 @@ class Job:
                 dump.close()
             if isinstance(source.reward, FunctionReward):
                 source.reward.close()
-            if gateway is not None:
-                await gateway.close()
-            shutil.rmtree(self.sockets, ignore_errors=True)
         return driver.reports, monitor
 
     def _account(

@@ -119,3 +119,40 @@ def test_a_bad_config_raises_before_anything_starts(tmp_path: Path, change, key)
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         asyncio.run(main())
     assert not (tmp_path / "run").exists()
+
+
+def test_a_job_that_fails_before_its_actors_start_leaves_no_process_or_socket_behind(
+    tmp_path: Path, monkeypatch
+):
+    """An embedding program goes on after the failure: the fork server the job began (it
+    imports the children's libraries from the start) and the job's sockets go with it."""
+    import pivot.cli.run as run_module
+
+    begun = []
+    real_launcher, real_sockets = run_module.job_launcher, run_module.make_socket_dir
+    monkeypatch.setattr(
+        run_module, "job_launcher", lambda *a: begun.append(real_launcher(*a)) or begun[-1]
+    )
+    folders: list[Path] = []
+    monkeypatch.setattr(
+        run_module, "make_socket_dir", lambda: folders.append(real_sockets()) or folders[-1]
+    )
+
+    def cannot_assemble(*args, **kwargs):  # noqa: ANN002, ANN003
+        raise RuntimeError("an actor that cannot be built")
+
+    monkeypatch.setattr(run_module, "assemble", cannot_assemble)
+    config = tmp_path / "job.toml"
+    config.write_text(CONFIG.replace('tcp = "tcp://127.0.0.1:0"', ""))
+
+    async def main():
+        async with pivot.Run(config, run_dir=tmp_path / "run"):
+            pass
+
+    with pytest.raises(RuntimeError, match="cannot be built"):
+        run_real(main())
+    [launcher] = begun
+    assert launcher.pid is not None  # a fork server was begun, and is gone (reaped)
+    assert not Path(f"/proc/{launcher.pid}").exists()
+    [folder] = folders
+    assert not folder.exists()
