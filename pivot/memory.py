@@ -21,11 +21,13 @@ as the engines and the trainer run them:
 
 A sequence is bounded by the model's positions, so a batch of long prompts reaches these
 numbers; short sequences touch less of the activations (the KV cache is zeroed, so touched,
-whole). Measured on ``configs/tiny.toml`` (4 agents, 2 ranks, ~0.8M parameters): this
-estimates 2.80 GiB; with each child its own interpreter the run's processes peaked at 2.46-2.60
-GiB of RSS together (1.83-1.92 GiB PSS). Forked from the job's fork server (``pivot run`` on
-CPU: ``pivot.bus.zygote``), the children share the server's pages: 1.22 GiB PSS at peak, though
-their RSS, each counting the shared pages, sums to 3.14 GiB (one more process, the server).
+whole). Measured on ``configs/tiny.toml`` (4 agents, 2 ranks, ~0.8M parameters) with
+``max_running`` 32: this estimates 2.80 GiB; with each child its own interpreter the run's
+processes peaked at 2.46-2.60 GiB of RSS together (1.83-1.92 GiB PSS). Forked from the job's
+fork server (``pivot run`` on CPU: ``pivot.bus.zygote``), the children share the server's pages:
+1.22-1.24 GiB PSS at peak, though their RSS, each counting the shared pages, sums to 3.14 GiB
+(one more process, the server). With its ``max_running`` of 128 (four times the KV caches and
+decode activations): 3.34 GiB estimated, 1.50 GiB PSS and 3.42 GiB RSS at peak, forked.
 The estimate keeps a runtime per process as if none were shared.
 
     estimate_memory(job, models) -> MemoryEstimate     models: {Role: ModelShape}
