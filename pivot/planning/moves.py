@@ -5,7 +5,9 @@ The cost model prices each lent device as one more replica decoding at its own s
 role shift as the sequences it evicts. A CPU "device" that shares its cores with the others
 adds an engine process, not compute, and a shift there costs the cores its aborts,
 re-prefills and weight reads: on the tiny job (4 devices on 2 cores) PivotRL with every move
-ran at 0.83x disaggregated's samples/s, with its split held at 1.0x. So ``MoveLedger``
+ran at 0.83x disaggregated's samples/s, with its split held at 1.0x (``max_running`` 32); with
+the whole batch on a replica (128) its steps take 1.9-2.4 s moving, 1.6-1.8 s held, as
+disaggregated's. So ``MoveLedger``
 measures it: each step's inference time (from the trainer starting to wait for a batch until
 the batch is ready) with the planner moving and with it holding. After ``warmup_steps`` steps
 it tries each in turn (move, hold, move, ...) until both have ``trials`` steps, then moves only
