@@ -113,11 +113,19 @@ SMALL_READ_BYTES = 16 << 20
 SEGMENTS_EVERY_S = 1.0
 
 
+#: How often an agent looks whether a role it does not hold has newer weights to stage
+#: (``WeightLoader.refresh``): a shared-memory word read per loader, no message.
+STAGE_POLL_S = 0.05
+
+
 class WeightLoader(Protocol):
     """Where an agent reads a model's weights when it takes a role. A loader may also say
     ``read_bytes``, how much one read copies (None: not known, e.g. a file to read): a small
     read runs on the agent's loop (``SMALL_READ_BYTES``), and a small read's ``prepare()``,
-    if it has one, runs when the agent starts, so that no shift pays for a first read."""
+    if it has one, runs when the agent starts, so that no shift pays for a first read. A
+    loader whose source publishes new versions may have ``refresh()``: stage the newest one
+    where the next call hands it out without copying; the agent calls it for the roles it
+    does not hold, so that a shift onto one of them finds its weights staged."""
 
     def __call__(self, model: str, min_version: int) -> tuple[NamedTensors, int]:
         """The model's tensors (checkpoint names) and their version (>= ``min_version``)."""
@@ -172,7 +180,10 @@ class CheckpointWeights:
 class StoreWeights:
     """The newest version in a GPS host store (``pivot.actors.param_store``), read into
     host buffers shaped like ``like`` (name -> tensor of the right shape and dtype).
-    ``pin``: page-locked buffers, for an engine on a GPU to copy from without blocking."""
+    ``pin``: page-locked buffers, for an engine on a GPU to copy from without blocking.
+    ``refresh()`` reads a newer version into the buffers ahead of a call; a call while the
+    buffers hold the version the store publishes hands them out without reading again (the
+    shift's GPS read is then off its critical path: the engine only loads)."""
 
     def __init__(
         self,
@@ -188,6 +199,7 @@ class StoreWeights:
         self._like = like
         self._buffers: dict[str, Any] | None = None
         self._reader = None
+        self.version: int | None = None  # what the buffers hold (None: nothing read yet)
         # a read copies every tensor into its buffer
         self.read_bytes = sum(t.numel() * t.element_size() for t in like.values())
 
@@ -199,7 +211,7 @@ class StoreWeights:
 
         buffers = self._host_buffers()
         try:
-            self._open().read(buffers)
+            self.version = self._open().read(buffers)
         except StoreError:  # no store or no version yet: the first read maps and plans
             for t in buffers.values():
                 t.zero_()  # touch the pages the read would have
@@ -218,25 +230,41 @@ class StoreWeights:
             self._reader = ParameterReader(self.store, name=self.reader_name)
         return self._reader
 
+    def refresh(self) -> bool:
+        """Read the store's newest version into the buffers unless they hold it already;
+        whether it read (nothing published yet: no read)."""
+        published = self._open().published_version()
+        if published is None or published == self.version:
+            return False
+        self.version = self._reader.read(self._host_buffers())
+        return True
+
     def __call__(self, model: str, min_version: int) -> tuple[NamedTensors, int]:
-        buffers = self._host_buffers()
-        version = self._open().read(buffers)
+        self.refresh()
+        version = self.version
+        if version is None:
+            version = self.version = self._reader.read(self._host_buffers())  # says why not
         if version < min_version:
             raise ShiftRefused(
                 f"store {self.store!r} publishes version {version}, "
                 f"version {min_version} or newer was asked for"
             )
-        return buffers, version
+        return self._host_buffers(), version
 
     def close(self) -> None:
         if self._reader is not None:
             self._reader.close()
             self._reader = None
+        self.version = None
 
 
 def _small(loader: WeightLoader) -> bool:
     size = getattr(loader, "read_bytes", None)
     return size is not None and size <= SMALL_READ_BYTES
+
+
+def _stages(loader: WeightLoader) -> bool:
+    return callable(getattr(loader, "refresh", None))
 
 
 def _host_buffer(torch: Any, like: Any, pin: bool) -> Any:
@@ -331,6 +359,26 @@ class RoleAgent(Actor):
                 self.log.warning("weights not prepared", role=role, error=repr(exc))
         if self.engine is not None and self.scheduler is not None:
             await self._register()
+        staged = {r: w.refresh for r, w in self.weights.items() if _small(w) and _stages(w)}
+        if staged:
+            self.spawn(self._stage_weights(staged), name="stage-weights")
+
+    async def _stage_weights(self, staged: Mapping[Role, Callable[[], bool]]) -> None:
+        """Keep the newest weights of the roles not held staged (``WeightLoader.refresh``),
+        under the shift lock: an Acquire waits for a refresh in flight and then loads what it
+        staged. The held role's loader is left to ``catch_up``, which reads and loads under
+        the engine lock. Small reads only, as ``prepare``: staging a large model would cost
+        every agent a copy of it per version, shift or not."""
+        while True:
+            await self.clock.sleep(STAGE_POLL_S)
+            async with self._shift_lock:
+                for role, refresh in staged.items():
+                    if role is self.role:
+                        continue
+                    try:
+                        refresh()
+                    except Exception as exc:  # noqa: BLE001 - a head start only: the read will say it
+                        self.log.debug("weights not staged", role=role.value, error=repr(exc))
 
     async def _register(self) -> None:
         assert self.engine is not None and self.scheduler is not None and self.replica

@@ -1149,6 +1149,60 @@ def test_acquire_reads_weights_from_gps_and_release_frees_the_device():
     run_virtual(main)
 
 
+def test_an_agent_stages_the_newest_policy_of_a_role_it_does_not_hold_so_a_shift_reads_none():
+    import torch
+
+    from pivot.actors.agent import STAGE_POLL_S, StoreWeights
+    from pivot.actors.param_store import ParameterStore
+
+    async def main(clock):
+        bus = Bus.local(rl_messages(), transport=LocalTransport(), clock=clock)
+        with ParameterStore() as store:
+            store.write({"w": torch.zeros(2, 3)}, version=3)
+            engine = scripted_engine()
+            loader = StoreWeights(store.name, like={"w": torch.zeros(2, 3)})
+            agent = RoleAgent(
+                "agent-0",
+                bus,
+                device=0,
+                engines={"rollout": engine},
+                weights={"rollout": loader},
+                stepping=Inline(),
+            )
+            client = Actor("client", bus)
+            await agent.start()
+            await client.start()
+            reads = []
+            read = loader._open().read
+            loader._reader.read = lambda into: reads.append(1) or read(into)
+            # the agent is free: a version published meanwhile is read within a poll
+            store.write({"w": torch.full((2, 3), 4.0)}, version=4)
+            await clock.sleep(2 * STAGE_POLL_S)
+            assert loader.version == 4 and torch.equal(
+                loader._buffers["w"], torch.full((2, 3), 4.0)
+            )
+            assert len(reads) == 1
+            await clock.sleep(2 * STAGE_POLL_S)
+            assert len(reads) == 1  # nothing newer: no read
+            # the shift onto the role loads what is staged and reads nothing
+            await client.request(
+                "agent-0",
+                Acquire(role=Role.ROLLOUT, replica="rollout@0", devices=[0], min_version=4),
+            )
+            ((loaded, version),) = engine.loaded
+            assert version == 4 and torch.equal(loaded["w"], torch.full((2, 3), 4.0))
+            assert len(reads) == 1
+            # the role held is catch_up's: no staging behind the engine's back
+            store.write({"w": torch.full((2, 3), 5.0)}, version=5)
+            await clock.sleep(2 * STAGE_POLL_S)
+            assert loader.version == 4 and len(reads) == 1
+            await client.stop()
+            await agent.stop()
+            loader.close()
+
+    run_virtual(main)
+
+
 def test_a_store_weights_loader_prepares_before_its_store_has_a_version():
     import torch
 
