@@ -306,13 +306,14 @@ class Scheduler(Actor):
         for m in msg.migrations:
             by_source[m.source].append(m)
         placed: dict[str, list[Work]] = defaultdict(list)
-        for source, moves in sorted(by_source.items()):
+
+        async def take_from(source: str, moves: list) -> None:
             agent = self._agents.get(source)
             if agent is None:
-                continue
+                return
             async with self._lock(source):
                 if source not in self._agents:
-                    continue
+                    return
                 running = {s.id for s in self.core.running_on(source)}
                 wanted = [
                     m
@@ -323,7 +324,7 @@ class Scheduler(Actor):
                     and m.target != source
                 ]
                 if not wanted:
-                    continue
+                    return
                 began = self.clock.now()
                 reply = await self.request(
                     agent,
@@ -340,6 +341,13 @@ class Scheduler(Actor):
                     if m.target in self._agents:
                         d = self.core.dispatch_to(m.seq_id, m.target, now=self.clock.now())
                         placed[d.replica_id].append(self._work[d.seq_id])
+
+        # every source at once: each abort waits for its replica's step in flight. What a
+        # source that failed (an abort timed out) took is not lost: the others' sequences
+        # are placed, so their Assigns go out before the failure is the reply
+        outcomes = await asyncio.gather(
+            *(take_from(s, ms) for s, ms in sorted(by_source.items())), return_exceptions=True
+        )
         moved = sum(len(ws) for ws in placed.values())
         if placed:
             # the core has placed them: their Assigns are the dispatch loop's kind of work,
@@ -350,6 +358,9 @@ class Scheduler(Actor):
             incarnations = {r: self._incarnations[r] for r in placed}
             self.spawn(self._send_assigns(placed, incarnations), name="migrate-assigns")
         self._kick.set()
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
         return Ack(count=moved)
 
     @handles

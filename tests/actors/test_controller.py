@@ -7,6 +7,7 @@ it would have produced without the shift; every sequence must complete exactly o
 
 from __future__ import annotations
 
+import asyncio
 import io
 import itertools
 import json
@@ -1039,6 +1040,78 @@ def test_a_migration_target_removed_before_its_assign_goes_out_loses_nothing(tmp
         cluster.check_outputs()
         assert cluster.engines[1]["rollout"].added == []  # the Assign went nowhere
         assert scheduler.core.replicas == ["rollout@0"]
+        await cluster.stop()
+
+    run_virtual(main)
+
+
+async def _sequences_on_two_sources(clock) -> tuple[Cluster, list[SequenceMigration]]:
+    """Three rollout replicas, sequences running on the first two (the third was cut while
+    they were routed, then restored), and the migrations of one from each to the third."""
+    layout = {d: ("rollout", f"rollout@{d}", (d,)) for d in range(3)}
+    cluster = Cluster(clock, four_devices(), layout)
+    await cluster.start()
+    scheduler = cluster.schedulers[Role.ROLLOUT]
+    await cluster.client.request("rollout-sched", CutRouting(replica="rollout@2"))
+    await cluster.submit("rollout", 0, 6, 40)
+    await clock.sleep(0.1)
+    first, second = (scheduler.core.running_on(f"rollout@{d}") for d in (0, 1))
+    assert first and second and scheduler.core.running_on("rollout@2") == []
+    await cluster.client.request("rollout-sched", RestoreRouting(replica="rollout@2"))
+    return cluster, [
+        SequenceMigration(first[0].id, "rollout@0", "rollout@2"),
+        SequenceMigration(second[0].id, "rollout@1", "rollout@2"),
+    ]
+
+
+def test_a_migration_aborts_at_every_source_at_once(tmp_path):
+    async def main(clock):
+        cluster, moves = await _sequences_on_two_sources(clock)
+
+        stepping = True
+
+        async def steps_back_to_back(agent):
+            while stepping:
+                async with agent._engine_lock:  # an Abort waits for the step in flight
+                    await clock.sleep(1.0)
+                await clock.sleep(0)
+
+        steps = [asyncio.ensure_future(steps_back_to_back(cluster.agents[d])) for d in (0, 1)]
+        await clock.sleep(0)
+        began = clock.now()
+        moved = await cluster.client.request(
+            "rollout-sched", MigrateSequences(migrations=moves), expect=Ack, timeout=5.0
+        )
+        # one step's wait: one source after the other would wait for the second source's
+        # next step as well
+        assert moved.count == 2 and clock.now() - began < 1.5
+        stepping = False
+        await asyncio.gather(*steps)
+        await cluster.until_done()
+        cluster.check_outputs()
+        await cluster.stop()
+
+    run_virtual(main)
+
+
+def test_a_migration_whose_source_fails_still_assigns_what_the_others_gave_up(tmp_path):
+    async def main(clock):
+        cluster, moves = await _sequences_on_two_sources(clock)
+        scheduler, target = cluster.schedulers[Role.ROLLOUT], cluster.engines[2]["rollout"]
+
+        def broken(seq_ids=None):
+            raise RuntimeError("engine fault")
+
+        cluster.engines[1]["rollout"].abort = broken
+        with pytest.raises(RemoteError, match="engine fault"):
+            await cluster.client.request("rollout-sched", MigrateSequences(migrations=moves))
+        # rollout@0's sequence was taken and placed on rollout@2: its Assign went out
+        moved = moves[0].seq_id
+        assert [s.id for s in scheduler.core.running_on("rollout@2")] == [moved]
+        await cluster.until(lambda: moved in [s for s, _ in target.added], "its Assign")
+        del cluster.engines[1]["rollout"].abort
+        await cluster.until_done()
+        cluster.check_outputs()
         await cluster.stop()
 
     run_virtual(main)
