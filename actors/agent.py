@@ -34,7 +34,7 @@ way, so no engine is ever rebuilt. The Controller drives the change (all idempot
 
     RoleAgent(name, bus, *, engine=None, role="free", scheduler=None, replica=None,
               engines=None, weights=None, models=None, device=None, devices=None,
-              report_timeout=30.0, report_retries=None, stepping=None)
+              report_timeout=30.0, report_retries=None, stepping=None, peers=())
     CheckpointWeights(folder)            WeightLoader: a Hugging Face checkpoint folder
     engines_for(folders, stores, ...)    an engine and a WeightLoader per inference role
     StoreWeights(store, like)            WeightLoader: newest version in a GPS host store
@@ -293,9 +293,13 @@ class RoleAgent(Actor):
         report_timeout: float = 30.0,
         report_retries: RetryBudget | None = None,
         stepping: Stepping | None = None,
+        peers: Sequence[str] = (),
     ) -> None:
         super().__init__(name, bus)
         self.role = Role(role)
+        # the schedulers of the roles it may take: dialled at start, so that registering
+        # with one in a shift's critical path pays no connection
+        self.peers = tuple(peers)
         self.engines: dict[Role, InferenceEngine] = {Role(r): e for r, e in (engines or {}).items()}
         if engine is not None:
             if self.role not in INFERENCE_ROLES:
@@ -359,9 +363,18 @@ class RoleAgent(Actor):
                 self.log.warning("weights not prepared", role=role, error=repr(exc))
         if self.engine is not None and self.scheduler is not None:
             await self._register()
+        if self.peers:
+            self.spawn(self._connect_peers(), name="connect")
         staged = {r: w.refresh for r, w in self.weights.items() if _small(w) and _stages(w)}
         if staged:
             self.spawn(self._stage_weights(staged), name="stage-weights")
+
+    async def _connect_peers(self) -> None:
+        for peer in self.peers:
+            try:
+                await self.connect(peer, timeout=self.report_timeout)
+            except BusError as exc:  # a head start only: the first request dials again
+                self.log.debug("peer not connected", peer=peer, error=repr(exc))
 
     async def _stage_weights(self, staged: Mapping[Role, Callable[[], bool]]) -> None:
         """Keep the newest weights of the roles not held staged (``WeightLoader.refresh``),
@@ -1140,6 +1153,7 @@ def torch_agent(
     mem_fraction: float | None = None,
     dtype: str = "float32",
     cores: list[int] | None = None,
+    peers: list[str] | None = None,
 ) -> RoleAgent:
     """Factory for a child process: a RoleAgent serving HF checkpoints on CPU or, with
     ``accelerator="cuda"``, on GPU ``gpu`` (None: GPU ``device``) in ``dtype`` (pivot's torch
@@ -1151,7 +1165,8 @@ def torch_agent(
     names one checkpoint folder per inference role (an engine is built for each); on
     Acquire the role's weights are read from the GPS host store named in ``stores`` for
     that role, else from its checkpoint folder again. ``cores``: the CPU cores this process
-    runs on (its device's share; None: wherever the OS puts it).
+    runs on (its device's share; None: wherever the OS puts it). ``peers``: the actors it
+    dials at start (``RoleAgent``'s).
     """
     import time
 
@@ -1191,4 +1206,5 @@ def torch_agent(
         device=device,
         devices=devices,
         stepping=agent_stepping(name),  # the test kit's fault, if one is planned for it
+        peers=peers or (),
     )

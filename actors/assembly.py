@@ -88,7 +88,8 @@ def trainer_names(name: str, world_size: int) -> list[str]:
 
 class AgentStart(msgspec.Struct, frozen=True, kw_only=True):
     """What one agent starts as: its device, role, replica and the replica's devices, the
-    scheduler it reports to, and the roles whose engine it keeps (its persistent context)."""
+    scheduler it reports to, the roles whose engine it keeps (its persistent context) and
+    the schedulers of those roles (``RoleAgent``'s ``peers``)."""
 
     name: str
     device: int
@@ -97,6 +98,7 @@ class AgentStart(msgspec.Struct, frozen=True, kw_only=True):
     devices: tuple[int, ...]
     scheduler: str | None
     engine_roles: tuple[Role, ...]
+    peers: tuple[str, ...] = ()
 
 
 class AgentParts(NamedTuple):
@@ -313,6 +315,9 @@ def assemble(
                 devices=placed.devices if placed is not None else (),
                 scheduler=schedulers.get(role),
                 engine_roles=deployment.engine_roles(device),
+                peers=tuple(
+                    schedulers[r] for r in deployment.engine_roles(device) if r in schedulers
+                ),
             ),
             managed=device < deployment.managed,
         )
@@ -403,6 +408,7 @@ def _add_agent(
             weights=parts.weights,
             models=parts.models,
             stepping=parts.stepping,
+            peers=now.peers,
         )
 
     supervisor.add_actor(start.name, agent)

@@ -254,6 +254,7 @@ class ProcessBackend:
                 "threads": threads,
                 "seed": self.seed * 1000 + agent.device,
                 "cores": cores,
+                "peers": list(agent.peers),
             },
             env={"OMP_NUM_THREADS": str(threads)},
             ready_timeout=AGENT_READY_TIMEOUT_S,

@@ -508,6 +508,11 @@ class Actor:
         self, to: str, message: msgspec.Struct, *, timeout: float | None = ..., expect: None = ...
     ) -> Any: ...
 
+    async def connect(self, to: str, *, timeout: float | None = None) -> None:
+        """Dial ``to`` now, so that the first request to it pays no connection (a peer it
+        will need in a hurry). Raises ``Unreachable``."""
+        await self._transport.connect(to, self.request_timeout if timeout is None else timeout)
+
     async def request(
         self,
         to: str,

@@ -68,6 +68,11 @@ class LocalTransport:
         server.submit(_Request(frame, reply, to, timeout))
         return await reply
 
+    async def connect(self, to: str, timeout: float) -> None:
+        # nothing to dial: a request reaches whoever serves ``to`` when it is sent
+        if to not in self._servers:
+            raise Unreachable(to, "no actor of that name is serving")
+
     async def open_publisher(self, name: str, *, secured: bool) -> _LocalPublisher:
         if name in self._publishers:
             raise AddressError(f"an actor named {name!r} already publishes on this local transport")

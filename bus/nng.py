@@ -177,6 +177,25 @@ class NngTransport:
     async def request(self, to: str, frame: bytes, timeout: float) -> bytes:
         if asyncio.get_running_loop() is not self._loop:
             self._check_loop()
+        peer = await self._ready_peer(to, timeout)
+        slot = peer.take()
+        try:
+            timeout_ms = max(1, int(timeout * 1000))
+            await slot.aio.send_ctx(slot.ctx, frame, timeout_ms)
+            return await slot.aio.recv_ctx(slot.ctx, timeout_ms)
+        except pynng.Timeout:
+            raise RequestTimeout(to, timeout) from None
+        except pynng.Closed:
+            raise Unreachable(to, "the transport was closed") from None
+        finally:
+            peer.give_back(slot)
+
+    async def connect(self, to: str, timeout: float) -> None:
+        if asyncio.get_running_loop() is not self._loop:
+            self._check_loop()
+        await self._ready_peer(to, timeout)
+
+    async def _ready_peer(self, to: str, timeout: float) -> _Peer:
         peer = self._peers.get(to)
         if peer is None:
             peer = await self._connect(to, timeout)
@@ -190,17 +209,7 @@ class NngTransport:
                     del self._peers[to]
                 peer.close()
                 raise
-        slot = peer.take()
-        try:
-            timeout_ms = max(1, int(timeout * 1000))
-            await slot.aio.send_ctx(slot.ctx, frame, timeout_ms)
-            return await slot.aio.recv_ctx(slot.ctx, timeout_ms)
-        except pynng.Timeout:
-            raise RequestTimeout(to, timeout) from None
-        except pynng.Closed:
-            raise Unreachable(to, "the transport was closed") from None
-        finally:
-            peer.give_back(slot)
+        return peer
 
     async def _connect(self, to: str, timeout: float) -> _Peer:
         pending = self._connecting.get(to)

@@ -253,6 +253,20 @@ async def test_unreachable_actors(make_bus: MakeBus) -> None:
         assert client.stats.unreachable == 2
 
 
+async def test_connect_dials_ahead_of_the_first_request(make_bus: MakeBus) -> None:
+    bus = make_bus()
+    server, client = Server("server", bus), Client("client", bus)
+    async with started(server, client):
+        await client.connect("server", timeout=5)
+        if isinstance(bus.transport, NngTransport):  # connected before anything was sent
+            assert "server" in bus.transport._peers and client.stats.requests_sent == 0
+        reply = await client.request("server", Echo(text="hello"), timeout=5, expect=Echoed)
+        assert reply.by == "server"
+        for nobody in ("nobody", "ghost"):  # unknown; known, not listening
+            with pytest.raises(Unreachable):
+                await client.connect(nobody, timeout=1)
+
+
 async def test_stopped_actor_becomes_unreachable(make_bus: MakeBus) -> None:
     bus = make_bus()
     server, client = Server("server", bus), Client("client", bus)

@@ -1276,6 +1276,39 @@ def test_an_agent_stages_the_newest_policy_of_a_role_it_does_not_hold_so_a_shift
     run_virtual(main)
 
 
+def test_an_agent_dials_its_peers_at_start_and_one_not_serving_stops_nothing():
+    class Dialling(LocalTransport):
+        def __init__(self) -> None:
+            super().__init__()
+            self.dialled: list[str] = []
+
+        async def connect(self, to: str, timeout: float) -> None:
+            self.dialled.append(to)
+            await super().connect(to, timeout)
+
+    async def main(clock):
+        transport = Dialling()
+        bus = Bus.local(rl_messages(), transport=transport, clock=clock)
+        scheduler = Actor("rollout-sched", bus)
+        await scheduler.start()
+        agent = RoleAgent(
+            "agent-0",
+            bus,
+            device=0,
+            engines={"rollout": scripted_engine()},
+            stepping=Inline(),
+            peers=("rollout-sched", "reward-sched"),  # the second serves nobody yet
+        )
+        await agent.start()
+        await clock.sleep(0.1)
+        assert transport.dialled == ["rollout-sched", "reward-sched"]
+        assert agent.state().role is Role.FREE and agent.failure is None
+        await agent.stop()
+        await scheduler.stop()
+
+    run_virtual(main)
+
+
 def test_a_store_weights_loader_prepares_before_its_store_has_a_version():
     import torch
 

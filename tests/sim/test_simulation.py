@@ -221,6 +221,25 @@ def test_removals_waiting_on_evacuations_leave_the_reports_a_request_slot(monkey
     assert len(assembly.driver.reports) == 1
 
 
+def test_every_agent_is_given_the_schedulers_of_the_roles_it_keeps_an_engine_for(tmp_path):
+    workload = _busy_toy(tmp_path)
+
+    async def main(clock):
+        sim = simulated_cluster(
+            clock, workload, _pivot(workload), SimulationSettings(steps=1), tmp_path / "j"
+        )
+        await sim.cluster.run()
+        return sim.cluster.assembly
+
+    assembly = run_virtual(main)
+    schedulers = assembly.scheduler_names
+    assert assembly.agents and all(
+        agent.peers == tuple(schedulers[r] for r in agent.engines)
+        for agent in assembly.agents.values()
+    )
+    assert {p for a in assembly.agents.values() for p in a.peers} == set(schedulers.values())
+
+
 def test_pivot_shifts_and_keeps_every_invariant_at_every_tick(tmp_path):
     workload = _busy_toy(tmp_path)
     settings = SimulationSettings(steps=2, check="tick")
