@@ -128,8 +128,11 @@ class TorchEngine(SteppedEngine):
         self.device = torch.device(device)
         self._cuda = self.device.type == "cuda"
         self._loaded: set[str] = set()
-        # released tensors kept for the next resume (host only; see the module docstring)
+        # released tensors kept for the next resume (host only; see the module docstring),
+        # and the version the spare weights hold whole (None: partly loaded, or not known)
         self._spare_weights: _Weights | None = None
+        self._spare_version: int | None = None
+        self._resumed_version: int | None = None  # the spare's, while nothing is loaded
         self._spare_kv: tuple[torch.Tensor, torch.Tensor] | None = None
         self._weights: _Weights | None = self._allocate_weights()
         self._k: torch.Tensor | None = None
@@ -240,7 +243,8 @@ class TorchEngine(SteppedEngine):
         With released weights this allocates them first; serving needs every parameter
         loaded since. Running sequences keep their KV cache (computed with older weights),
         as with partial rollout across a version change. Names or shapes that do not fit
-        raise ValueError and nothing is copied.
+        raise ValueError and nothing is copied. Nor is anything copied into host weights
+        resumed from a release that held ``version`` whole: they hold it still.
         """
         items = list(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
         self._context.before_load()
@@ -271,6 +275,14 @@ class TorchEngine(SteppedEngine):
                 f"{' ...' if len(unknown) > 5 else ''} (expected Hugging Face decoder names "
                 f"such as 'model.layers.0.self_attn.q_proj.weight')"
             )
+        if not self._loaded and self._resumed_version == version:
+            # the resumed spare holds this version whole: a shift back to the role within
+            # one policy version (or onto the frozen GenRM) has nothing to copy
+            self._loaded = set(views)
+            self._context.loaded(True)
+            self.weights_version = version
+            return
+        self._resumed_version = None
         with torch.no_grad():
             for key, target, tensor in plan:
                 target.copy_(tensor.detach(), non_blocking=self._cuda)
@@ -288,13 +300,18 @@ class TorchEngine(SteppedEngine):
     def _free_weights(self) -> None:
         if not self._cuda:
             self._spare_weights = self._weights
+            whole = self._weights is not None and len(self._loaded) == len(self._weights.views)
+            self._spare_version = self.weights_version if whole else None
         self._weights = None
         self._loaded = set()
+        self._resumed_version = None
 
     def _resume_weights(self) -> None:
         # a spare's values are the released ones: serving still waits for every parameter
         # to be loaded again (``_loaded`` starts empty)
         spare, self._spare_weights = self._spare_weights, None
+        self._resumed_version = self._spare_version if spare is not None else None
+        self._spare_version = None
         self._weights = spare if spare is not None else self._allocate_weights()
         self._loaded = set()
 

@@ -341,6 +341,38 @@ def test_a_host_engine_resumes_into_the_tensors_it_released(folder):
     assert not engine.stats().weights_ready
 
 
+def test_a_host_engine_resumed_at_the_version_it_released_copies_nothing(folder):
+    import torch
+
+    spec, tensors = read_checkpoint(folder)
+    engine = TorchEngine(spec, tensors, weights_version=3)
+    name = "model.embed_tokens.weight"
+    zeros = {n: torch.zeros_like(t) for n, t in tensors.items()}
+    engine.release(["weights"])
+    engine.resume(["weights"])
+    # version 3 is what the released weights held: loading it again copies nothing
+    engine.load_weights(zeros, version=3)
+    stats = engine.stats()
+    assert stats.weights_ready and stats.weights_version == 3
+    assert torch.equal(engine._weights.views[name], tensors[name])
+    # names that do not fit are refused all the same
+    with pytest.raises(ValueError, match="unknown parameter names"):
+        engine.release(["weights"])
+        engine.resume(["weights"])
+        engine.load_weights({"nope": zeros[name]}, version=3)
+    # another version is copied
+    engine.load_weights(zeros, version=4)
+    assert torch.equal(engine._weights.views[name], zeros[name])
+    # weights released partly loaded hold no version whole: the next load copies
+    engine.release(["weights"])
+    engine.resume(["weights"])
+    engine.load_weights({name: tensors[name]}, version=5)
+    engine.release(["weights"])
+    engine.resume(["weights"])
+    engine.load_weights(tensors, version=5)
+    assert all(torch.equal(v, tensors[n]) for n, v in engine._weights.views.items() if n in tensors)
+
+
 def test_release_rejects_persistent_and_unknown_kinds(folder):
     engine = TorchEngine.from_pretrained(folder)
     with pytest.raises(ValueError, match="persistent"):
