@@ -15,7 +15,7 @@ import json
 import msgspec
 import pytest
 
-from pivot.actors.agent import Inline, RoleAgent
+from pivot.actors.agent import Inline, RoleAgent, WeightLoader
 from pivot.actors.controller import (
     Controller,
     ControllerSettings,
@@ -360,6 +360,12 @@ class Cluster:
     async def until_done(self) -> None:
         await self.until(self.all_done, "every sequence completed")
 
+    async def finish(self) -> None:
+        """Every sequence completed exactly once with its scripted tokens; then stop."""
+        await self.until_done()
+        self.check_outputs()
+        await self.stop()
+
     # --- invariants -------------------------------------------------------------------------
 
     def agent_views(self) -> list[AgentView]:
@@ -660,9 +666,7 @@ def test_a_trainer_that_trains_without_its_pool_gets_it_back(tmp_path):
         await cluster.until(lambda: cluster.roles()[2] == "training", "the pool reclaimed")
         await cluster.until(lambda: controller.shift is None, "the reclaim finished")
         assert cluster.trainer.calls == ["reload"] and cluster.problems() == []
-        await cluster.until_done()
-        cluster.check_outputs()
-        await cluster.stop()
+        await cluster.finish()
 
     run_virtual(main)
 
@@ -693,9 +697,7 @@ def test_a_restarted_controller_reads_a_waiting_trainer_as_lent_and_reclaims(tmp
         assert not any(r.role is Role.TRAINING for r in second.allocation.replicas.values())
         await cluster.until(lambda: cluster.roles()[2] == "training", "the pool reclaimed")
         assert cluster.trainer.calls == ["reload"] and cluster.problems() == []
-        await cluster.until_done()
-        cluster.check_outputs()
-        await cluster.stop()
+        await cluster.finish()
 
     run_virtual(main)
 
@@ -770,9 +772,7 @@ def test_recovery_reconciles_a_half_acquired_replica_and_a_stale_registration(tm
         assert controller.recovery_problems
         assert cluster.problems() == []
         assert "rollout@2" not in cluster.schedulers[Role.ROLLOUT].routes
-        await cluster.until_done()
-        cluster.check_outputs()
-        await cluster.stop()
+        await cluster.finish()
 
     run_virtual(main)
 
@@ -809,9 +809,7 @@ def test_recovery_forces_out_the_replica_of_an_agent_that_restarted_while_it_was
         await controller.recovered.wait()
         assert any("rollout@2" in p and "restarted" in p for p in controller.recovery_problems)
         assert "rollout@2" not in cluster.schedulers[Role.ROLLOUT].routes
-        await cluster.until_done()
-        cluster.check_outputs()
-        await cluster.stop()
+        await cluster.finish()
 
     run_virtual(main)
     removed = [
@@ -943,9 +941,7 @@ def test_a_registration_that_fails_on_acquire_is_sent_again_in_its_phase(tmp_pat
         assert first.outcome == "done" and first.failed == []
         assert set(woken) <= set(reward.routes)
         assert cluster.problems() == []
-        await cluster.until_done()
-        cluster.check_outputs()
-        await cluster.stop()
+        await cluster.finish()
 
     run_virtual(main)
 
@@ -965,9 +961,7 @@ def test_a_wake_whose_agent_refuses_is_given_up_and_its_device_left_free(tmp_pat
         assert cluster.roles()[2] == "free" and cluster.roles()[1] == "reward"
         assert "reward@2" not in controller.allocation.replicas
         assert cluster.problems() == []
-        await cluster.until_done()
-        cluster.check_outputs()
-        await cluster.stop()
+        await cluster.finish()
 
     run_virtual(main)
 
@@ -975,19 +969,26 @@ def test_a_wake_whose_agent_refuses_is_given_up_and_its_device_left_free(tmp_pat
 # --- the shift protocol of schedulers and agents ---------------------------------------------
 
 
-async def _six_on_rollout_0_three_to_move(clock) -> tuple[Cluster, list[SequenceMigration]]:
-    """Two rollout replicas, six sequences running on the first (the second was cut while
-    they were routed, then restored), and the migrations of three of them to the second."""
-    layout = {0: ("rollout", "rollout@0", (0,)), 1: ("rollout", "rollout@1", (1,))}
+async def _routed_around_the_last(clock, replicas: int) -> Cluster:
+    """``replicas`` rollout replicas and six sequences running on all but the last, which
+    was cut while they were routed, then restored (a migration's target)."""
+    layout = {d: ("rollout", f"rollout@{d}", (d,)) for d in range(replicas)}
     cluster = Cluster(clock, four_devices(), layout)
     await cluster.start()
-    scheduler = cluster.schedulers[Role.ROLLOUT]
-    await cluster.client.request("rollout-sched", CutRouting(replica="rollout@1"))
+    target = f"rollout@{replicas - 1}"
+    await cluster.client.request("rollout-sched", CutRouting(replica=target))
     await cluster.submit("rollout", 0, 6, 40)
     await clock.sleep(0.1)
-    assert len(scheduler.core.running_on("rollout@0")) == 6
-    assert scheduler.core.running_on("rollout@1") == []
-    await cluster.client.request("rollout-sched", RestoreRouting(replica="rollout@1"))
+    assert cluster.schedulers[Role.ROLLOUT].core.running_on(target) == []
+    await cluster.client.request("rollout-sched", RestoreRouting(replica=target))
+    return cluster
+
+
+async def _six_on_rollout_0_three_to_move(clock) -> tuple[Cluster, list[SequenceMigration]]:
+    """Two rollout replicas, six sequences running on the first, and the migrations of three
+    of them to the second."""
+    cluster = await _routed_around_the_last(clock, 2)
+    assert len(cluster.schedulers[Role.ROLLOUT].core.running_on("rollout@0")) == 6
     return cluster, [SequenceMigration(i, "rollout@0", "rollout@1") for i in (0, 1, 2)]
 
 
@@ -1046,18 +1047,12 @@ def test_a_migration_target_removed_before_its_assign_goes_out_loses_nothing(tmp
 
 
 async def _sequences_on_two_sources(clock) -> tuple[Cluster, list[SequenceMigration]]:
-    """Three rollout replicas, sequences running on the first two (the third was cut while
-    they were routed, then restored), and the migrations of one from each to the third."""
-    layout = {d: ("rollout", f"rollout@{d}", (d,)) for d in range(3)}
-    cluster = Cluster(clock, four_devices(), layout)
-    await cluster.start()
+    """Three rollout replicas, sequences running on the first two, and the migrations of one
+    from each to the third."""
+    cluster = await _routed_around_the_last(clock, 3)
     scheduler = cluster.schedulers[Role.ROLLOUT]
-    await cluster.client.request("rollout-sched", CutRouting(replica="rollout@2"))
-    await cluster.submit("rollout", 0, 6, 40)
-    await clock.sleep(0.1)
     first, second = (scheduler.core.running_on(f"rollout@{d}") for d in (0, 1))
-    assert first and second and scheduler.core.running_on("rollout@2") == []
-    await cluster.client.request("rollout-sched", RestoreRouting(replica="rollout@2"))
+    assert first and second
     return cluster, [
         SequenceMigration(first[0].id, "rollout@0", "rollout@2"),
         SequenceMigration(second[0].id, "rollout@1", "rollout@2"),
@@ -1087,9 +1082,7 @@ def test_a_migration_aborts_at_every_source_at_once(tmp_path):
         assert moved.count == 2 and clock.now() - began < 1.5
         stepping = False
         await asyncio.gather(*steps)
-        await cluster.until_done()
-        cluster.check_outputs()
-        await cluster.stop()
+        await cluster.finish()
 
     run_virtual(main)
 
@@ -1110,9 +1103,7 @@ def test_a_migration_whose_source_fails_still_assigns_what_the_others_gave_up(tm
         assert [s.id for s in scheduler.core.running_on("rollout@2")] == [moved]
         await cluster.until(lambda: moved in [s for s, _ in target.added], "its Assign")
         del cluster.engines[1]["rollout"].abort
-        await cluster.until_done()
-        cluster.check_outputs()
-        await cluster.stop()
+        await cluster.finish()
 
     run_virtual(main)
 
@@ -1148,6 +1139,19 @@ def test_remove_replica_keeps_partial_output_in_the_work(tmp_path):
     run_virtual(main)
 
 
+def _gps_agent(bus: Bus, engine: ScriptedEngine, loader: WeightLoader, **kwargs) -> RoleAgent:
+    """A free agent that may take rollout, reading its weights through ``loader``."""
+    return RoleAgent(
+        "agent-0",
+        bus,
+        device=0,
+        engines={"rollout": engine},
+        weights={"rollout": loader},
+        stepping=Inline(),
+        **kwargs,
+    )
+
+
 def test_acquire_reads_weights_from_gps_and_release_frees_the_device():
     import torch
 
@@ -1163,15 +1167,7 @@ def test_acquire_reads_weights_from_gps_and_release_frees_the_device():
             loader = StoreWeights(
                 store.name, like={n: torch.zeros_like(t) for n, t in weights.items()}
             )
-            agent = RoleAgent(
-                "agent-0",
-                bus,
-                device=0,
-                engines={"rollout": engine},
-                weights={"rollout": loader},
-                models={"rollout": "policy"},
-                stepping=Inline(),
-            )
+            agent = _gps_agent(bus, engine, loader, models={"rollout": "policy"})
             client = Actor("client", bus)
             await agent.start()
             await client.start()
@@ -1234,14 +1230,7 @@ def test_an_agent_stages_the_newest_policy_of_a_role_it_does_not_hold_so_a_shift
             store.write({"w": torch.zeros(2, 3)}, version=3)
             engine = scripted_engine()
             loader = StoreWeights(store.name, like={"w": torch.zeros(2, 3)})
-            agent = RoleAgent(
-                "agent-0",
-                bus,
-                device=0,
-                engines={"rollout": engine},
-                weights={"rollout": loader},
-                stepping=Inline(),
-            )
+            agent = _gps_agent(bus, engine, loader)
             client = Actor("client", bus)
             await agent.start()
             await client.start()
@@ -1343,14 +1332,7 @@ def test_an_agent_whose_weights_cannot_be_prepared_starts_and_its_acquire_says_w
             store.write({"w": torch.ones(2)}, version=1)
             # the engine's weights are named otherwise than the store's
             loader = StoreWeights(store.name, like={"x": torch.zeros(2)})
-            agent = RoleAgent(
-                "agent-0",
-                bus,
-                device=0,
-                engines={"rollout": scripted_engine()},
-                weights={"rollout": loader},
-                stepping=Inline(),
-            )
+            agent = _gps_agent(bus, scripted_engine(), loader)
             client = Actor("client", bus)
             await agent.start()  # preparing failed: a warning, not a dead agent
             await client.start()
@@ -1472,8 +1454,6 @@ def test_an_assign_that_lost_the_race_to_a_removal_is_not_sent(tmp_path):
         assert sorted(s for s, _ in cluster.engines[0]["rollout"].added) == [0, 1]
         cluster.check_owners()
         cluster.submitted["rollout"] = {w.seq_id: w for w in works}
-        await cluster.until_done()
-        cluster.check_outputs()
-        await cluster.stop()
+        await cluster.finish()
 
     run_virtual(main)
