@@ -31,6 +31,7 @@ import pynng
 from pivot.bus import _nngaio
 from pivot.bus.clock import VirtualEventLoop
 from pivot.bus.errors import AddressError, BusError, RequestTimeout, Unreachable
+from pivot.bus.local import LocalTransport
 from pivot.bus.logs import get_logger, worth_logging
 from pivot.bus.stats import BusStats
 from pivot.bus.transport import (
@@ -80,6 +81,12 @@ class NngTransport:
 
     ``fast_aio`` (default on) uses the lean nng_aio path of ``pivot.bus._nngaio``;
     off, pynng's public ``asend``/``arecv`` are used.
+
+    ``in_process`` (default on): a request to an actor this transport serves (one in this
+    process) skips the sockets and goes the local transport's way (``pivot.bus.local``):
+    no nng threads, no wake-up of the loop from another thread, no copy. Such an actor then
+    takes up to ``concurrency`` requests from this process besides as many over its socket.
+    Publications always go over nng.
     """
 
     def __init__(
@@ -89,11 +96,13 @@ class NngTransport:
         fast_aio: bool = True,
         max_frame: int = MAX_FRAME,
         reply_timeout: float = REPLY_TIMEOUT,
+        in_process: bool = True,
     ) -> None:
         self.directory = directory
         self.max_frame = max_frame
         self.reply_timeout = reply_timeout
         self._fast = fast_aio and _nngaio.AVAILABLE
+        self._in_process = LocalTransport() if in_process else None
         self._peers: dict[str, _Peer] = {}
         self._connecting: dict[str, asyncio.Future[_Peer]] = {}
         self._closables: list[Any] = []
@@ -154,6 +163,11 @@ class NngTransport:
                 name,
                 msgspec.structs.replace(self._endpoint(name), rep=address, also_rep=tuple(also)),
             )
+        twin = None
+        if self._in_process is not None:
+            twin = await self._in_process.serve(
+                name, handler, concurrency=concurrency, secured=secured, stats=stats, triage=triage
+            )
         server = _NngServer(
             sock,
             address,
@@ -162,6 +176,7 @@ class NngTransport:
             self._fast,
             reply_timeout_ms=max(1, int(self.reply_timeout * 1000)),
             stats=stats,
+            twin=twin,
         )
         self._track(server)
         return server
@@ -174,9 +189,14 @@ class NngTransport:
 
     # -- requesting
 
+    def _serves(self, to: str) -> bool:
+        return self._in_process is not None and to in self._in_process._servers  # noqa: SLF001
+
     async def request(self, to: str, frame: bytes, timeout: float) -> bytes:
         if asyncio.get_running_loop() is not self._loop:
             self._check_loop()
+        if self._serves(to):
+            return await self._in_process.request(to, frame, timeout)
         peer = await self._ready_peer(to, timeout)
         slot = peer.take()
         try:
@@ -193,7 +213,8 @@ class NngTransport:
     async def connect(self, to: str, timeout: float) -> None:
         if asyncio.get_running_loop() is not self._loop:
             self._check_loop()
-        await self._ready_peer(to, timeout)
+        if not self._serves(to):
+            await self._ready_peer(to, timeout)
 
     async def _ready_peer(self, to: str, timeout: float) -> _Peer:
         peer = self._peers.get(to)
@@ -374,8 +395,10 @@ class _NngServer:
         *,
         reply_timeout_ms: int,
         stats: BusStats,
+        twin: Any = None,
     ) -> None:
         self.address = address
+        self._twin = twin  # the same actor served to this process (``in_process``)
         self._sock = sock
         self._handler = handler
         self._reply_timeout_ms = reply_timeout_ms
@@ -460,6 +483,8 @@ class _NngServer:
             return
         self._closed = True
         _forget(self)
+        if self._twin is not None:
+            await self._twin.close()
         # closing the socket first ends every pending receive with Closed, so only
         # tasks busy in a handler need cancelling
         self._sock.close()
