@@ -25,7 +25,8 @@ Messages (``codec``)
 
 Transports (``transport``, ``local``, ``nng``)
     Transport protocol; LocalTransport(); NngTransport(directory, *, fast_aio=True,
-                                      max_frame, reply_timeout)
+                                      max_frame, reply_timeout, in_process=True)
+    Actor.connect(to)                 dial a peer ahead of its first request
     Directory({name: Endpoint(rep, pub)}) / .ipc(folder, names) / .inproc(names) / .tcp(...)
     check_bind_address(address, *, secured)   any tcp bind needs a secret
 
