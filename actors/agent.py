@@ -263,10 +263,6 @@ def _small(loader: WeightLoader) -> bool:
     return size is not None and size <= SMALL_READ_BYTES
 
 
-def _stages(loader: WeightLoader) -> bool:
-    return callable(getattr(loader, "refresh", None))
-
-
 def _host_buffer(torch: Any, like: Any, pin: bool) -> Any:
     buffer = torch.empty_like(like, device="cpu")
     return buffer.pin_memory() if pin else buffer
@@ -365,7 +361,11 @@ class RoleAgent(Actor):
             await self._register()
         if self.peers:
             self.spawn(self._connect_peers(), name="connect")
-        staged = {r: w.refresh for r, w in self.weights.items() if _small(w) and _stages(w)}
+        staged = {
+            r: w.refresh
+            for r, w in self.weights.items()
+            if _small(w) and callable(getattr(w, "refresh", None))
+        }
         if staged:
             self.spawn(self._stage_weights(staged), name="stage-weights")
 

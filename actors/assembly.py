@@ -303,6 +303,7 @@ def assemble(
     for device in deployment.agent_devices:
         placed = deployment.placement(device)
         role = placed.role if placed is not None else Role.FREE
+        engine_roles = deployment.engine_roles(device)
         _add_agent(
             supervisor,
             bus,
@@ -314,10 +315,8 @@ def assemble(
                 replica=placed.replica if placed is not None else None,
                 devices=placed.devices if placed is not None else (),
                 scheduler=schedulers.get(role),
-                engine_roles=deployment.engine_roles(device),
-                peers=tuple(
-                    schedulers[r] for r in deployment.engine_roles(device) if r in schedulers
-                ),
+                engine_roles=engine_roles,
+                peers=tuple(schedulers[r] for r in engine_roles if r in schedulers),
             ),
             managed=device < deployment.managed,
         )

@@ -68,9 +68,13 @@ class LocalTransport:
         server.submit(_Request(frame, reply, to, timeout))
         return await reply
 
+    def serves(self, name: str) -> bool:
+        """Whether an actor named ``name`` is serving on this transport now."""
+        return name in self._servers
+
     async def connect(self, to: str, timeout: float) -> None:
         # nothing to dial: a request reaches whoever serves ``to`` when it is sent
-        if to not in self._servers:
+        if not self.serves(to):
             raise Unreachable(to, "no actor of that name is serving")
 
     async def open_publisher(self, name: str, *, secured: bool) -> _LocalPublisher:

@@ -190,7 +190,7 @@ class NngTransport:
     # -- requesting
 
     def _serves(self, to: str) -> bool:
-        return self._in_process is not None and to in self._in_process._servers  # noqa: SLF001
+        return self._in_process is not None and self._in_process.serves(to)
 
     async def request(self, to: str, frame: bytes, timeout: float) -> bytes:
         if asyncio.get_running_loop() is not self._loop:
