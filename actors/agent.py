@@ -26,10 +26,10 @@ way, so no engine is ever rebuilt. The Controller drives the change (all idempot
   through its ``WeightLoader`` (a GPS ``ParameterReader`` or a checkpoint folder); the other
   devices' agents only record the role (a multi-device engine lives in its leader).
   ``training`` records that the trainer holds the device.
-* ``Register(replica)``: the leader registers with its role's scheduler (an Acquire with
-  ``register`` does that as its last part: one hop to the scheduler instead of another round
-  trip from the Controller; a registration that fails there leaves the replica unregistered,
-  and the reply not ``serving``).
+* ``Register(replica)``: the leader registers with its role's scheduler. An Acquire with
+  ``serve`` needs none: the leader accepts work once it has acquired (its reply
+  ``serving``), and the Controller registers it from that reply, a hop of its own that costs
+  nothing where the scheduler shares its process (the agent's would be two more).
 * ``Describe``: role, replica, devices, weights version, running sequences (recovery).
 
     RoleAgent(name, bus, *, engine=None, role="free", scheduler=None, replica=None,
@@ -497,6 +497,7 @@ class RoleAgent(Actor):
             unreported=len(self._unreported),
             serving=engine is not None and self._accepting,
             scheduler=self.scheduler,
+            max_running=stats.max_running if stats is not None else 0,
         )
 
     @handles
@@ -570,7 +571,7 @@ class RoleAgent(Actor):
         self.log.info("released", replica=msg.replica)
         return self.state()
 
-    @handles(calls_peers=True)  # with ``register``, waits on the scheduler's RegisterReplica
+    @handles
     async def acquire(self, msg: Acquire) -> AgentState:
         async with self._shift_lock:
             return await self._acquire(msg)
@@ -610,20 +611,10 @@ class RoleAgent(Actor):
         self.engine = engine
         self._accepting = False  # until registered
         self.log.info("acquired", role=msg.role.value, replica=msg.replica)
-        if msg.register and engine is not None and self.scheduler is not None:
-            await self._join()
+        if msg.serve and engine is not None and self.scheduler is not None:
+            await self.stepping.pause(self, "register", self.role)
+            self._accepting = True
         return self.state()
-
-    async def _join(self) -> None:
-        """Register while acquiring; a failure is the Controller's to retry (with Register)."""
-        await self.stepping.pause(self, "register", self.role)
-        try:
-            await self._register()
-        except BusError as exc:
-            self._accepting = False
-            self.log.warning("registration failed", replica=self.replica, error=repr(exc))
-            return
-        self._work.set()
 
     async def _load(self, engine: InferenceEngine, msg: Acquire) -> None:
         engine.resume(SHIFT_CONTEXT)

@@ -69,7 +69,7 @@ from typing import Literal
 import msgspec
 
 from pivot.actors.journal import Journal
-from pivot.actors.messages import Ack, ReplicaLoad
+from pivot.actors.messages import Ack, RegisterReplica, ReplicaLoad
 from pivot.actors.shift_messages import (
     Acquire,
     AgentJoined,
@@ -660,6 +660,32 @@ class Controller(Actor):
             self._allocation_changed(now),
         )
 
+    async def _register(
+        self, scheduler: str, role: Role, replica: str, state: AgentState, timeout: float
+    ) -> AgentState:
+        """Register the replica an agent acquired ready to serve (``registers_on_acquire``)
+        with its scheduler, from the Acquire's reply: the Controller's own hop, which
+        costs no round trip where the scheduler shares its process, where the agent's
+        would cost two. A failure leaves it to the registered phase's JoinScheduler, as
+        its reply then says (not serving)."""
+        try:
+            await self.request(
+                scheduler,
+                RegisterReplica(
+                    replica=replica,
+                    agent=state.agent,
+                    role=role.value,
+                    max_running=state.max_running,
+                    held=state.running,
+                    agent_incarnation=state.incarnation,
+                ),
+                timeout=timeout,
+            )
+        except BusError as exc:
+            self.log.warning("registration failed", replica=replica, error=repr(exc))
+            return msgspec.structs.replace(state, serving=False)
+        return state
+
     async def _send(self, command: ShiftCommand) -> bool | AgentState:
         """Send one command; truthy when it was carried out (a BusError is a failure): an
         Acquire's reply, which says whether the replica registered with it, else True."""
@@ -688,19 +714,23 @@ class Controller(Actor):
                         timeout=timeout,
                     )
                 case AcquireDevice(device, role, replica, devices):
-                    return await self.request(
+                    scheduler = self.schedulers.get(role)
+                    state = await self.request(
                         self.agents[device],
                         Acquire(
                             role=role,
                             replica=replica,
                             devices=list(devices),
                             model=self.models.get(role, ""),
-                            scheduler=self.schedulers.get(role),
-                            register=registers_on_acquire(command),
+                            scheduler=scheduler,
+                            serve=registers_on_acquire(command),
                         ),
                         expect=AgentState,
                         timeout=timeout,
                     )
+                    if state.serving and scheduler is not None:
+                        return await self._register(scheduler, role, replica, state, timeout)
+                    return state
                 case JoinScheduler(device, _, replica):
                     await self.request(
                         self.agents[device],

@@ -121,10 +121,10 @@ class Release(RLMessage, kw_only=True):
 class Acquire(RLMessage, kw_only=True):
     """Become part of ``replica`` of ``role`` on ``devices``. The agent of ``devices[0]``
     leads: it resumes its engine for ``role``, loads ``model``'s weights (a version of at
-    least ``min_version``), and will serve for ``scheduler``. ``register``: the leader then
-    registers with ``scheduler`` too (``pivot.shift.registers_on_acquire``); the reply's
-    ``serving`` says whether it did (if not, a Register follows). Idempotent for the same
-    replica; refused while another is held."""
+    least ``min_version``), and will serve for ``scheduler``. ``serve``: the leader accepts
+    work at once, its reply (``serving``) being what the sender registers it with
+    ``scheduler`` from (``pivot.shift.registers_on_acquire``); without it a Register
+    follows. Idempotent for the same replica; refused while another is held."""
 
     role: Role
     replica: str
@@ -132,7 +132,7 @@ class Acquire(RLMessage, kw_only=True):
     model: str = ""
     min_version: int = 0
     scheduler: str | None = None
-    register: bool = False
+    serve: bool = False
 
 
 class Register(RLMessage, kw_only=True):
@@ -153,6 +153,7 @@ class AgentState(RLMessage, kw_only=True):
     unreported: int = 0
     serving: bool = False  # leads an engine that accepts work
     scheduler: str | None = None
+    max_running: int = 0  # of the engine it leads (0: none)
 
 
 # -- trainer -> controller (the controller drives the trainer with trainer_messages:

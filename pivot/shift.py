@@ -24,11 +24,11 @@ What each phase does, for evicted replicas E and woken replicas W:
 * acquired: the agents of W's devices take the new role and load its weights (AcquireDevice);
   a training replica in W means the trainer takes its pool back (ReclaimPool).
 * registered: each new inference replica's leader (its first device's agent) registers with
-  its role's scheduler (JoinScheduler). A one-device inference wake registers while it
-  acquires (``registers_on_acquire``: the agent goes to its scheduler itself, one hop instead
-  of the Controller's Register round trip); once its reply says so (``confirm(...,
-  registered=True)``) the wake needs no JoinScheduler. Not journaled: a restarted Controller
-  sends JoinScheduler again, which is idempotent.
+  its role's scheduler (JoinScheduler). A one-device inference wake is registered within its
+  acquire (``registers_on_acquire``: the agent serves at once and the executor registers it
+  with its scheduler from the reply, no round trip to the agent and back); once that worked
+  (``confirm(..., registered=True)``) the wake needs no JoinScheduler. Not journaled: a
+  restarted Controller sends JoinScheduler again, which is idempotent.
 * done: the planned rebalancing migrations onto the new replicas (Rebalance, best effort).
 
 A wake whose acquire or registration keeps failing may be given up: its replica is marked
@@ -51,7 +51,7 @@ Pure and synchronous: times come in as arguments.
     txn.pending() -> [ShiftCommand];  txn.confirm(command, ok, *, give_up=False, registered=False)
     txn.advance(at) -> PhaseReached record;  txn.finished;  txn.applied_moves()
     txn.rolls_back;  txn.rollback_commands();  txn.rolled_back(at) -> PhaseReached
-    registers_on_acquire(command) -> bool   the agent registers its replica as it acquires
+    registers_on_acquire(command) -> bool   its replica is registered within its acquire
     recover(records) -> JournalState(unfinished, next_txn, problems)
     reconcile(spec, agents, schedulers, trainer_holds_pool) -> Reconciliation
     allocation_problems(spec, agents, schedulers, trainer_holds_pool) -> [str]
@@ -208,8 +208,9 @@ ShiftCommand = (
 
 
 def registers_on_acquire(command: AcquireDevice) -> bool:
-    """Whether the agent registers the replica with its scheduler as it acquires it: a
-    one-device inference replica, whose acquire is all its wake does before registering (the
+    """Whether the replica is registered with its scheduler within its acquire (the agent
+    serves at once, the executor registers it from the reply): a one-device inference
+    replica, whose acquire is all its wake does before registering (the
     leader of a larger one waits for the shift's registered phase, so that a follower whose
     acquire fails leaves no registered leader behind)."""
     return command.role in INFERENCE_ROLES and command.devices == (command.device,)

@@ -913,6 +913,42 @@ class RefusesFirstRegistration(Scheduler):
         return super().register(msg)
 
 
+def test_a_one_device_wake_is_registered_by_the_controller_from_its_acquire(tmp_path):
+    async def main(clock):
+        cluster = Cluster(clock, four_devices(), rollout_heavy_layout())
+        reward = cluster.schedulers[Role.REWARD]
+        await cluster.start()
+        registrations: list[tuple[str, RegisterReplica]] = []
+        for agent in cluster.agents.values():
+            request = agent.request
+
+            async def counted(to, message, *args, _request=request, _agent=agent, **kwargs):
+                if isinstance(message, RegisterReplica):
+                    registrations.append((_agent.name, message))
+                return await _request(to, message, *args, **kwargs)
+
+            agent.request = counted
+        await cluster.submit("rollout", 0, 6, 60)
+        await cluster.submit("reward", 1000, 60, 20)
+        controller = await cluster.run_controller(open_journal(tmp_path / "journal"))
+        await cluster.until(lambda: controller.shifts_done >= 1, "a first shift")
+        woken = [
+            m.replica_id for m in cluster.monitor.of(ShiftStarted)[0].moves if m.kind == "wake"
+        ]
+        # the new replicas serve without one request of their agents to the scheduler: the
+        # Controller registered them, with what their agents said in their replies
+        assert woken and set(woken) <= set(reward.routes)
+        assert registrations == []
+        for replica in woken:
+            agent = next(a for a in cluster.agents.values() if a.replica == replica)
+            assert reward._agents[replica] == agent.name
+            assert reward._agent_incarnations[replica] == agent.incarnation
+        assert cluster.problems() == []
+        await cluster.finish()
+
+    run_virtual(main)
+
+
 def test_a_registration_that_fails_on_acquire_is_sent_again_in_its_phase(tmp_path):
     async def main(clock):
         cluster = Cluster(clock, four_devices(), rollout_heavy_layout())
