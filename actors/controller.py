@@ -567,7 +567,9 @@ class Controller(Actor):
         now = self.clock.now()
         txn, record = ShiftTransaction.begin(self._next_txn, plan, now)
         self._next_txn += 1
-        self.journal.append(record)  # durable before the first command goes out
+        # durable before the first command goes out: the routing cut's, or (a lone victim has
+        # no cut) the evacuation's, whose phase record's fsync covers this one too
+        self.journal.append(record, durable=bool(txn.pending()))
         self.shift = txn
         await self.publish(
             SHIFT_TOPIC,

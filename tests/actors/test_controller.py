@@ -70,12 +70,12 @@ from pivot.bus import (
     handles,
     run_virtual,
 )
-from pivot.cluster import ClusterConfig, ClusterSpec, ReplicaLayout, Role, RoleSpec
+from pivot.cluster import ClusterConfig, ClusterSpec, Move, ReplicaLayout, Role, RoleSpec
 from pivot.engines.protocol import ContextKind, SamplingParams
 from pivot.engines.scripted import ScriptedEngine
 from pivot.planning.cost import CostModel
 from pivot.planning.planner import Planner, PlannerSettings
-from pivot.planning.plans import SequenceMigration
+from pivot.planning.plans import SequenceMigration, ShiftPlan
 from pivot.planning.queue import Sequence
 from pivot.planning.routing import RouterSettings, check_ownership, make_router
 from pivot.shift import FORWARD, AgentView, SchedulerView, ShiftRecord, allocation_problems
@@ -911,6 +911,63 @@ class RefusesFirstRegistration(Scheduler):
             self.refused.append(msg.replica)
             raise ValueError(f"not now: {msg.replica}")
         return super().register(msg)
+
+
+class SyncLog(Journal):
+    """Says, for each record, whether it was synced, and whether one was left unsynced."""
+
+    def __init__(self, path) -> None:
+        super().__init__(path, type_=ShiftRecord, fsync=False)
+        self.records: list[tuple[str, bool]] = []
+        self.unsynced = False
+
+    def append(self, record, *, durable: bool = True) -> None:
+        super().append(record, durable=durable)
+        self.records.append((getattr(record, "phase", "planned"), durable))
+        self.unsynced = not durable
+
+
+class ChecksDurability(Controller):
+    """Asserts that every record is durable before any command goes out."""
+
+    async def _send(self, command):
+        assert not self.journal.unsynced, f"{command!r} went out before its record was synced"
+        return await super()._send(command)
+
+
+def test_a_shift_syncs_its_journal_only_before_a_command(tmp_path):
+    def to_reward(*devices: int) -> ShiftPlan:
+        evictions = [Move("evict", f"rollout@{d}", Role.ROLLOUT, (d,)) for d in devices]
+        wakes = [Move("wake", f"reward@{d}", Role.REWARD, (d,)) for d in devices]
+        return ShiftPlan(kind="shift", receiver=Role.REWARD, moves=(*evictions, *wakes))
+
+    async def main(clock):
+        cluster = Cluster(clock, four_devices(), rollout_heavy_layout())
+        await cluster.start()
+        journal = SyncLog(tmp_path / "journal")
+        controller = ChecksDurability(
+            "controller", cluster.bus, **cluster.controller_kwargs(journal)
+        )
+        cluster.controller = controller
+        await controller.start()
+        await controller.recovered.wait()
+        # a lone victim needs no routing cut: its plan's record is synced with the cut's,
+        # right before the evacuation; several victims are cut first, after the plan's sync
+        for devices, planned_synced in (((2,), False), ((0, 1), True)):
+            journal.records.clear()
+            txn = await controller.execute(to_reward(*devices))
+            assert txn.phase.value == "done"
+            assert journal.records[:2] == [("planned", planned_synced), ("routing_cut", True)]
+        assert sorted(cluster.schedulers[Role.REWARD].routes) == [
+            "reward@0",
+            "reward@1",
+            "reward@2",
+            "reward@3",
+        ]
+        assert cluster.problems() == []
+        await cluster.finish()
+
+    run_virtual(main)
 
 
 def test_a_one_device_wake_is_registered_by_the_controller_from_its_acquire(tmp_path):
