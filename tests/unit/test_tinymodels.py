@@ -4,6 +4,7 @@ the policy's accuracy matches what the maker recorded, the GenRM agrees with the
 checker, and the maker itself runs end to end (in a few steps)."""
 
 import json
+import random
 
 import pytest
 import torch
@@ -61,6 +62,20 @@ def test_tokenizer_round_trip_and_auto_tokenizer(tmp_path):
     assert codec.encode("a", bos=False) == [codec.encode("a")[1]]
     assert codec.encode("1\u00e92", bos=False)[1] == codec.unk_id  # outside the alphabet
     assert codec.decode(codec.encode("1\u00e92") + [codec.eos_id, codec.pad_id]) == "12"
+
+
+def test_the_character_tokenizer_gives_each_character_its_id():
+    """The shipped models were trained on these ids: <bos>, then one id per character of the
+    alphabet, 4 onwards, and <unk> for any other; a special token's text is that token."""
+    codec = TextCodec.char()
+    rng = random.Random(3)
+    chars = ALPHABET + "\u00e9\t\u4e2d<>"
+    for n in (0, 1, 2, 50, 400):
+        text = "".join(rng.choice(chars) for _ in range(n))
+        ids = [4 + ALPHABET.index(c) if c in ALPHABET else codec.unk_id for c in text]
+        assert codec.encode(text) == [codec.bos_id, *ids]
+        assert codec.encode(text, bos=False) == ids
+    assert codec.encode("1<eos>2", bos=False) == [5, codec.eos_id, 6]
 
 
 def test_shipped_tokenizers_give_the_ids_of_their_tokenizer_json():
