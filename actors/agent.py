@@ -609,7 +609,7 @@ class RoleAgent(Actor):
         self.devices = tuple(msg.devices)
         self.scheduler = msg.scheduler
         self.engine = engine
-        self._accepting = False  # until registered
+        self._accepting = False  # until registered (at once with ``serve``)
         self.log.info("acquired", role=msg.role.value, replica=msg.replica)
         if msg.serve and engine is not None and self.scheduler is not None:
             await self.stepping.pause(self, "register", self.role)

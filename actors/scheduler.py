@@ -183,7 +183,7 @@ class Scheduler(Actor):
             self.core.add_replica(msg.replica)
             self._added += 1
             self._incarnations[msg.replica] = self._added
-        else:
+        elif not self._same_process(msg):
             self._requeue_lost(msg.replica, set(msg.held))
         self._trust(msg.replica)
         self._agents[msg.replica] = msg.agent
@@ -193,6 +193,16 @@ class Scheduler(Actor):
         self.log.info("replica registered", replica=msg.replica, agent=msg.agent)
         self._kick.set()
         return Ack()
+
+    def _same_process(self, msg: RegisterReplica) -> bool:
+        """Whether a registration again comes from the agent process already registered: it
+        lost nothing (its ``held`` may be a snapshot from before its latest Assign, as a
+        restarted Controller's registration from an Acquire's reply is)."""
+        return (
+            msg.agent_incarnation != 0
+            and self._agents.get(msg.replica) == msg.agent
+            and self._agent_incarnations.get(msg.replica) == msg.agent_incarnation
+        )
 
     def _requeue_lost(self, replica: str, held: set[int]) -> None:
         """A replica registered again (its agent restarted in place): what the scheduler

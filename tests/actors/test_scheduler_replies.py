@@ -16,6 +16,7 @@ from pivot.actors.messages import (
     Completed,
     EndSession,
     QueryStatus,
+    RegisterReplica,
     SchedulerStatus,
     SubmitSequences,
     Work,
@@ -213,3 +214,51 @@ def test_a_resent_submission_runs_once_and_another_sequence_under_its_id_is_refu
     status, refused = run_virtual(main)
     assert status.completed == 2
     assert "ids [1]" in refused
+
+
+def test_a_registration_again_requeues_only_what_another_agent_process_lost():
+    # a registration again (a restarted Controller's, from an Acquire's reply) may say what
+    # the agent held before its latest Assign: only another process of the agent (another
+    # incarnation) has lost what the scheduler placed there
+    stream = io.StringIO()
+    configure_logging("warning", json=True, stream=stream)
+
+    async def main(clock):
+        bus = Bus.local(rl_messages(), transport=LocalTransport(), clock=clock)
+        sched = scheduler(bus)
+        stuck = engine()
+        stuck.stalled = True  # the sequences stay where they were placed
+        first = agent(bus, "agent-0", stuck)
+        client = Actor("client", bus)
+        for actor in (sched, client, first):
+            await actor.start()
+        await client.request("sched", SubmitSequences(sequences=[work(0), work(1)]))
+        await until(clock, lambda: len(first.held_sequences) == 2)
+        requeued = []
+        for incarnation in (first.incarnation, first.incarnation + 1):
+            again = RegisterReplica(
+                replica="agent-0",
+                agent="agent-0",
+                role="rollout",
+                max_running=8,
+                held=[],
+                agent_incarnation=incarnation,
+            )
+            await client.request("sched", again)
+            lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+            requeued.append(
+                sum(
+                    line["sequences"]
+                    for line in lines
+                    if line["event"] == "requeued what a restarted agent lost"
+                )
+            )
+        for actor in (first, client, sched):
+            await actor.stop()
+        return requeued
+
+    try:
+        requeued = run_virtual(main)
+    finally:
+        structlog.reset_defaults()
+    assert requeued == [0, 2]
