@@ -25,7 +25,9 @@ that drifts during the bench weighs on every deployment about alike), and report
   ``--warmup`` (start-up and warm-up excluded, as ``pivot simulate`` measures steady state),
   per deployment: the median over its rounds, each round's in ``samples_per_s_rounds``.
 * ``pivot_vs_best``: pivot's samples/s over the best static baseline's (null unless both
-  ran), and ``best_baseline``, which one that was.
+  ran), and ``best_baseline``, which one that was; ``pivot_vs_best_rounds``: the same ratio
+  within each round, pivot's run over that baseline's (the two ran minutes apart, so a host
+  whose speed drifts between rounds weighs on both alike).
 * ``cpu_busy``: per deployment, the share of the host's CPU time that was busy (any process,
   from ``/proc/stat``; null elsewhere) over the window ``samples_per_s`` measures, the median
   over its rounds: what is left of the cores for any deployment to gain (a CPU device is a
@@ -49,7 +51,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pivot.cli.flags import non_negative, positive
 from pivot.deployment import BASELINES, DeploymentKind
@@ -153,14 +155,22 @@ def migration_medians(migrations: list[MigrationTiming]) -> dict[str, float | No
     }
 
 
-def versus_best(runs: dict[str, DeploymentRun]) -> dict[str, float | str | None]:
-    """Pivot's samples/s over the best baseline's, and which baseline that was."""
+def versus_best(runs: dict[str, Rounds]) -> dict[str, Any]:
+    """Pivot's samples/s over the best baseline's (median over the rounds, and within each
+    round), and which baseline that was."""
     baselines = {k: r.samples_per_s for k, r in runs.items() if k != DeploymentKind.PIVOT.value}
     pivot = runs.get(DeploymentKind.PIVOT.value)
     if pivot is None or not baselines or max(baselines.values()) <= 0:
-        return {"pivot_vs_best": None, "best_baseline": None}
+        return {"pivot_vs_best": None, "best_baseline": None, "pivot_vs_best_rounds": None}
     best = max(baselines, key=baselines.__getitem__)
-    return {"pivot_vs_best": round(pivot.samples_per_s / baselines[best], 3), "best_baseline": best}
+    return {
+        "pivot_vs_best": round(pivot.samples_per_s / baselines[best], 3),
+        "best_baseline": best,
+        "pivot_vs_best_rounds": [
+            round(p / b, 3) if b > 0 else None
+            for p, b in zip(pivot.each, runs[best].each, strict=True)
+        ],
+    }
 
 
 class DeploymentRun:
@@ -360,6 +370,9 @@ def main(args: argparse.Namespace) -> int:
             f"  {kind:14s} {r.samples_per_s:6.2f}{ratio}  (host CPU busy {busy}, "
             f"wall {r.wall_s:5.1f} s)"
         )
+    if result["pivot_vs_best_rounds"]:
+        each = ", ".join(f"{x:.2f}" for x in result["pivot_vs_best_rounds"])
+        print(f"  pivot over {result['best_baseline']} within each round: {each}")
     return 0
 
 
