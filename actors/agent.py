@@ -75,7 +75,6 @@ from pivot.actors.messages import (
     EngineSegments,
     Finished,
     Partial,
-    RegisterReplica,
     ReplicaLoad,
     Work,
     copy_ids,
@@ -396,18 +395,7 @@ class RoleAgent(Actor):
     async def _register(self) -> None:
         assert self.engine is not None and self.scheduler is not None and self.replica
         self._accepting = True
-        await self.request(
-            self.scheduler,
-            RegisterReplica(
-                replica=self.replica,
-                agent=self.name,
-                role=self.role.value,
-                max_running=self.engine.stats().max_running,
-                held=sorted(self._held),
-                agent_incarnation=self.incarnation,
-            ),
-            timeout=self.report_timeout,
-        )
+        await self.request(self.scheduler, self.state().registration(), timeout=self.report_timeout)
 
     # --- sequences --------------------------------------------------------------------------
 

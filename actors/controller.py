@@ -69,7 +69,7 @@ from typing import Literal
 import msgspec
 
 from pivot.actors.journal import Journal
-from pivot.actors.messages import Ack, RegisterReplica, ReplicaLoad
+from pivot.actors.messages import Ack, ReplicaLoad
 from pivot.actors.shift_messages import (
     Acquire,
     AgentJoined,
@@ -662,29 +662,16 @@ class Controller(Actor):
             self._allocation_changed(now),
         )
 
-    async def _register(
-        self, scheduler: str, role: Role, replica: str, state: AgentState, timeout: float
-    ) -> AgentState:
+    async def _register(self, scheduler: str, state: AgentState, timeout: float) -> AgentState:
         """Register the replica an agent acquired ready to serve (``registers_on_acquire``)
         with its scheduler, from the Acquire's reply: the Controller's own hop, which
         costs no round trip where the scheduler shares its process, where the agent's
         would cost two. A failure leaves it to the registered phase's JoinScheduler, as
         its reply then says (not serving)."""
         try:
-            await self.request(
-                scheduler,
-                RegisterReplica(
-                    replica=replica,
-                    agent=state.agent,
-                    role=role.value,
-                    max_running=state.max_running,
-                    held=state.running,
-                    agent_incarnation=state.incarnation,
-                ),
-                timeout=timeout,
-            )
+            await self.request(scheduler, state.registration(), timeout=timeout)
         except BusError as exc:
-            self.log.warning("registration failed", replica=replica, error=repr(exc))
+            self.log.warning("registration failed", replica=state.replica, error=repr(exc))
             return msgspec.structs.replace(state, serving=False)
         return state
 
@@ -731,7 +718,7 @@ class Controller(Actor):
                         timeout=timeout,
                     )
                     if state.serving and scheduler is not None:
-                        return await self._register(scheduler, role, replica, state, timeout)
+                        return await self._register(scheduler, state, timeout)
                     return state
                 case JoinScheduler(device, _, replica):
                     await self.request(

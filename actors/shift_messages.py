@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import msgspec
 
-from pivot.actors.messages import Completion, Partial, RLMessage
+from pivot.actors.messages import Completion, Partial, RegisterReplica, RLMessage
 from pivot.cluster import Move, Role
 from pivot.planning.plans import SequenceMigration
 
@@ -154,6 +154,19 @@ class AgentState(RLMessage, kw_only=True):
     serving: bool = False  # leads an engine that accepts work
     scheduler: str | None = None
     max_running: int = 0  # of the engine it leads (0: none)
+
+    def registration(self) -> RegisterReplica:
+        """Its replica's registration with its scheduler: whoever sends it, the agent itself
+        or the Controller from an Acquire's reply, says the same of the agent."""
+        assert self.replica is not None
+        return RegisterReplica(
+            replica=self.replica,
+            agent=self.agent,
+            role=self.role.value,
+            max_running=self.max_running,
+            held=self.running,
+            agent_incarnation=self.incarnation,
+        )
 
 
 # -- trainer -> controller (the controller drives the trainer with trainer_messages:
