@@ -62,6 +62,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal
@@ -87,6 +88,7 @@ from pivot.actors.shift_messages import (
     QueryAllocation,
     QueryLoad,
     Register,
+    RegisterReplicas,
     Release,
     RemoveReplica,
     RestoreRouting,
@@ -595,6 +597,7 @@ class Controller(Actor):
             attempt = 0
             while pending := txn.pending():
                 results = await asyncio.gather(*(self._send(c) for c in pending))
+                results = await self._register_wakes(pending, results)
                 attempt += 1
                 give_up = attempt >= self.settings.give_up_after
                 for command, reply in zip(pending, results, strict=True):
@@ -662,22 +665,52 @@ class Controller(Actor):
             self._allocation_changed(now),
         )
 
-    async def _register(self, scheduler: str, state: AgentState, timeout: float) -> AgentState:
-        """Register the replica an agent acquired ready to serve (``registers_on_acquire``)
-        with its scheduler, from the Acquire's reply: the Controller's own hop, which
-        costs no round trip where the scheduler shares its process, where the agent's
-        would cost two. A failure leaves it to the registered phase's JoinScheduler, as
-        its reply then says (not serving)."""
+    async def _register_wakes(
+        self, commands: list[ShiftCommand], replies: list[bool | AgentState]
+    ) -> list[bool | AgentState]:
+        """Register the replicas that ``commands`` acquired ready to serve
+        (``registers_on_acquire``) with their schedulers, from the Acquires' replies: the
+        Controller's own hop, which costs no round trip where a scheduler shares its process,
+        where the agents' would cost two. A role's wakes go in one ``RegisterReplicas``, so
+        that its queue is routed across all of them. A failure leaves each to the registered
+        phase's JoinScheduler, as its reply then says (not serving)."""
+        out = list(replies)
+        by_role: dict[Role, list[int]] = defaultdict(list)
+        for i, (command, reply) in enumerate(zip(commands, replies, strict=True)):
+            if (
+                isinstance(command, AcquireDevice)
+                and isinstance(reply, AgentState)
+                and reply.serving
+                and command.role in self.schedulers
+            ):
+                by_role[command.role].append(i)
+        joined = await asyncio.gather(
+            *(self._register(role, [out[i] for i in at]) for role, at in by_role.items())
+        )
+        for ok, at in zip(joined, by_role.values(), strict=True):
+            if not ok:
+                for i in at:
+                    out[i] = msgspec.structs.replace(out[i], serving=False)
+        return out
+
+    async def _register(self, role: Role, states: list[AgentState]) -> bool:
         try:
-            await self.request(scheduler, state.registration(), timeout=timeout)
+            await self.request(
+                self.schedulers[role],
+                RegisterReplicas(replicas=[s.registration() for s in states]),
+                timeout=self.settings.command_timeout_s,
+            )
         except BusError as exc:
-            self.log.warning("registration failed", replica=state.replica, error=repr(exc))
-            return msgspec.structs.replace(state, serving=False)
-        return state
+            self.log.warning(
+                "registration failed", replicas=[s.replica for s in states], error=repr(exc)
+            )
+            return False
+        return True
 
     async def _send(self, command: ShiftCommand) -> bool | AgentState:
         """Send one command; truthy when it was carried out (a BusError is a failure): an
-        Acquire's reply, which says whether the replica registered with it, else True."""
+        Acquire's reply, which says whether its replica is ready to serve (then
+        ``_register_wakes`` registers it), else True."""
         timeout = self.settings.command_timeout_s
         try:
             match command:
@@ -703,23 +736,19 @@ class Controller(Actor):
                         timeout=timeout,
                     )
                 case AcquireDevice(device, role, replica, devices):
-                    scheduler = self.schedulers.get(role)
-                    state = await self.request(
+                    return await self.request(
                         self.agents[device],
                         Acquire(
                             role=role,
                             replica=replica,
                             devices=list(devices),
                             model=self.models.get(role, ""),
-                            scheduler=scheduler,
+                            scheduler=self.schedulers.get(role),
                             serve=registers_on_acquire(command),
                         ),
                         expect=AgentState,
                         timeout=timeout,
                     )
-                    if state.serving and scheduler is not None:
-                        return await self._register(scheduler, state, timeout)
-                    return state
                 case JoinScheduler(device, _, replica):
                     await self.request(
                         self.agents[device],

@@ -74,6 +74,7 @@ from pivot.actors.shift_messages import (
     Evacuated,
     MigrateSequences,
     QueryLoad,
+    RegisterReplicas,
     RemoveReplica,
     ReplicaRemoved,
     ReplicaRunning,
@@ -192,6 +193,12 @@ class Scheduler(Actor):
         self._update_cut()
         self.log.info("replica registered", replica=msg.replica, agent=msg.agent)
         self._kick.set()
+        return Ack()
+
+    @handles
+    def register_together(self, msg: RegisterReplicas) -> Ack:
+        for replica in msg.replicas:  # dispatch runs once all are in (it awaits the kick)
+            self.register(replica)
         return Ack()
 
     def _same_process(self, msg: RegisterReplica) -> bool:

@@ -7,6 +7,7 @@ group"), so a Controller that restarts may send it again:
 
     scheduler: CutRouting, RestoreRouting -> Ack;  RemoveReplica -> ReplicaRemoved;
                MigrateSequences -> Ack;  QueryLoad -> RoleLoadReport
+               RegisterReplicas (the wakes of a shift that are ready to serve) -> Ack
                (a replica joins with ``RegisterReplica``, sent by its agent on ``Register``)
     agent:     Evacuate (from its scheduler) -> Evacuated;
                Describe, Release, Acquire, Register -> AgentState
@@ -34,6 +35,14 @@ class CutRouting(RLMessage, kw_only=True):
     """Route no new sequence to ``replica`` (what it runs keeps running)."""
 
     replica: str
+
+
+class RegisterReplicas(RLMessage, kw_only=True):
+    """The replicas one shift woke ready to serve, registered together: the scheduler routes
+    its queue across all of them, where one registered before the others would take the
+    whole queue (up to its cap) and leave them idle."""
+
+    replicas: list[RegisterReplica]
 
 
 class RestoreRouting(RLMessage, kw_only=True):

@@ -55,6 +55,7 @@ MESSAGES: tuple[type[RLMessage], ...] = (
     # the Controller's shifts
     shift.CutRouting,
     shift.RestoreRouting,
+    shift.RegisterReplicas,
     shift.RemoveReplica,
     shift.ReplicaRemoved,
     shift.MigrateSequences,

@@ -13,6 +13,7 @@ import structlog
 from pivot.actors.agent import Inline, RoleAgent
 from pivot.actors.messages import (
     Ack,
+    Assign,
     Completed,
     EndSession,
     QueryStatus,
@@ -22,7 +23,7 @@ from pivot.actors.messages import (
     Work,
 )
 from pivot.actors.scheduler import Scheduler
-from pivot.actors.shift_messages import RemoveReplica, ReplicaRemoved
+from pivot.actors.shift_messages import RegisterReplicas, RemoveReplica, ReplicaRemoved
 from pivot.actors.testing import ScriptedEngine
 from pivot.actors.vocabulary import rl_messages
 from pivot.bus import (
@@ -262,3 +263,52 @@ def test_a_registration_again_requeues_only_what_another_agent_process_lost():
     finally:
         structlog.reset_defaults()
     assert requeued == [0, 2]
+
+
+class Holds(Actor):
+    """An agent that keeps what it is assigned and runs none of it."""
+
+    def __init__(self, name: str, bus: Bus) -> None:
+        super().__init__(name, bus)
+        self.held: list[int] = []
+
+    @handles
+    def assign(self, msg: Assign) -> Ack:
+        self.held += [w.seq_id for w in msg.sequences]
+        return Ack()
+
+
+def placed_on_two_new_replicas(together: bool) -> list[int]:
+    """Eight queued sequences, then two replicas of cap 8 registered one after the other or
+    in one RegisterReplicas: how many each holds."""
+
+    async def main(clock):
+        bus = Bus.local(rl_messages(), transport=LocalTransport(), clock=clock)
+        sched = scheduler(bus)
+        client = Actor("client", bus)
+        agents = [Holds(f"agent-{i}", bus) for i in range(2)]
+        for actor in (sched, client, *agents):
+            await actor.start()
+        await client.request("sched", SubmitSequences(sequences=[work(i) for i in range(8)]))
+        joins = [
+            RegisterReplica(replica=a.name, agent=a.name, role="rollout", max_running=8)
+            for a in agents
+        ]
+        if together:
+            await client.request("sched", RegisterReplicas(replicas=joins))
+        else:
+            for join in joins:
+                await client.request("sched", join)
+        await until(clock, lambda: sum(len(a.held) for a in agents) == 8)
+        for actor in (*agents, client, sched):
+            await actor.stop()
+        return [len(a.held) for a in agents]
+
+    return run_virtual(main)
+
+
+def test_replicas_registered_together_share_the_queue_where_the_first_alone_takes_it():
+    # a shift's wakes join their scheduler in one message: registered one by one, the first
+    # fills to its cap with the whole queue before the second is known
+    assert placed_on_two_new_replicas(together=False) == [8, 0]
+    assert placed_on_two_new_replicas(together=True) == [4, 4]
