@@ -101,6 +101,11 @@ class PlannerSettings(ConfigStruct, kw_only=True):
     min_awake_per_role: NonNegativeInt = 0
     migrate_time_init_s: NonNegativeFloat = 5.0
     migrate_time_alpha: Fraction = 0.2
+    # while the trainer trains and neither inference role has work (an on-policy job between
+    # its judgments and its next batch), its idle reward replicas become rollout replicas, so
+    # that the next batch is routed across them as it arrives instead of filling the one
+    # rollout replica and waiting for a shift that must then migrate it (``_staged_rollout``)
+    stage_rollout: bool = False
     # ablations
     policy: Literal["cost_model", "rule_based"] = "cost_model"
     rebalance: bool = True
@@ -248,6 +253,11 @@ def plan_shift(
         and snapshot.trainer is TrainerPhase.WAITING
         and not by_role[Role.TRAINING]
     )
+    staged = None
+    if settings.stage_rollout and settings.shift_roles:
+        staged = _staged_rollout(spec, snapshot, by_role, loads)
+    if staged is not None:
+        return done(staged, f"no inference work while training: rollout +{len(staged.wakes)}")
     if not settings.shift_roles and all(by_role[r] or not loads[r].demand for r in INFERENCE_ROLES):
         return done(None, "the split between rollout and reward is held")
     if settings.policy == "rule_based":
@@ -582,6 +592,36 @@ def _new_ids(role: Role, slots: list[tuple[int, ...]], taken: set[str]) -> list[
         taken.add(name)
         ids.append(name)
     return ids
+
+
+def _staged_rollout(
+    spec: ClusterSpec,
+    snapshot: ClusterSnapshot,
+    by_role: dict[Role, list[ReplicaState]],
+    loads: dict[Role, RoleLoad],
+) -> ShiftPlan | None:
+    """The idle reward replicas as rollout replicas on the same devices, while the trainer
+    trains and neither inference role holds or queues a sequence: the next work to come is
+    the next batch's rollout (its judgments come only from its responses). A reward replica
+    whose devices no rollout replicas tile (another layout) stays."""
+    if snapshot.trainer is not TrainerPhase.TRAINING or any(
+        loads[r].demand for r in INFERENCE_ROLES
+    ):
+        return None
+    slots = [tuple(row.tolist()) for row in spec.slots(Role.ROLLOUT)]
+    victims, devices = [], []
+    for replica in by_role[Role.REWARD]:
+        inside = [s for s in slots if set(s) <= set(replica.devices)]  # aligned: disjoint
+        if sum(map(len, inside)) == len(replica.devices):
+            victims.append(replica)
+            devices += inside
+    if not victims:
+        return None
+    ids = _new_ids(Role.ROLLOUT, devices, {r.id for r in snapshot.replicas})
+    wakes = (Move("wake", i, Role.ROLLOUT, d) for i, d in zip(ids, devices, strict=True))
+    return ShiftPlan(
+        kind="shift", receiver=Role.ROLLOUT, moves=(*(_evict(r) for r in victims), *wakes)
+    )
 
 
 def _shift_plan(
