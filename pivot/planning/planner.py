@@ -255,7 +255,7 @@ def plan_shift(
     )
     staged = None
     if settings.stage_rollout and settings.shift_roles:
-        staged = _staged_rollout(spec, snapshot, by_role, loads)
+        staged = _staged_rollout(spec, snapshot, by_role, loads, settings.min_awake_per_role)
     if staged is not None:
         return done(staged, f"no inference work while training: rollout +{len(staged.wakes)}")
     if not settings.shift_roles and all(by_role[r] or not loads[r].demand for r in INFERENCE_ROLES):
@@ -599,18 +599,20 @@ def _staged_rollout(
     snapshot: ClusterSnapshot,
     by_role: dict[Role, list[ReplicaState]],
     loads: dict[Role, RoleLoad],
+    keep: int,
 ) -> ShiftPlan | None:
     """The idle reward replicas as rollout replicas on the same devices, while the trainer
     trains and neither inference role holds or queues a sequence: the next work to come is
-    the next batch's rollout (its judgments come only from its responses). A reward replica
-    whose devices no rollout replicas tile (another layout) stays."""
+    the next batch's rollout (its judgments come only from its responses). ``keep`` reward
+    replicas stay (``min_awake_per_role``), and so does one whose devices no rollout
+    replicas tile (another layout)."""
     if snapshot.trainer is not TrainerPhase.TRAINING or any(
         loads[r].demand for r in INFERENCE_ROLES
     ):
         return None
     slots = [tuple(row.tolist()) for row in spec.slots(Role.ROLLOUT)]
     victims, devices = [], []
-    for replica in by_role[Role.REWARD]:
+    for replica in by_role[Role.REWARD][keep:]:
         inside = [s for s in slots if set(s) <= set(replica.devices)]  # aligned: disjoint
         if sum(map(len, inside)) == len(replica.devices):
             victims.append(replica)

@@ -51,6 +51,7 @@ def test_nothing_is_staged_with_work_left_a_trainer_not_training_or_the_setting_
         (between_batches(trainer=TrainerPhase.WAITING), {}),  # the pool is lent instead
         (between_batches(), {"stage_rollout": False}),
         (between_batches(), {"shift_roles": False}),
+        (between_batches(), {"min_awake_per_role": 2}),
     ):
         d = decide(snap, **settings)
         # (with the batch here the objective may grow the rollout itself: not a staging)
@@ -74,3 +75,9 @@ def test_a_reward_replica_that_rollout_replicas_do_not_tile_stays():
         last_action_at=snap.now - 100.0,
     )
     assert d.plan is None, d.reason
+
+
+def test_the_reward_replicas_the_settings_keep_awake_stay():
+    d = decide(between_batches(), min_awake_per_role=1)
+    assert d.plan is not None and STAGED in d.reason, d.reason
+    assert [m.replica_id for m in d.plan.evictions] == ["rm8"]
