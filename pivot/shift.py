@@ -26,7 +26,9 @@ What each phase does, for evicted replicas E and woken replicas W:
 * registered: each new inference replica's leader (its first device's agent) registers with
   its role's scheduler (JoinScheduler). A one-device inference wake is registered within its
   acquire (``registers_on_acquire``: the agent serves at once and the executor registers it
-  with its scheduler from the reply, no round trip to the agent and back); once that worked
+  with its scheduler from the reply, no round trip to the agent and back, together with the
+  phase's other such wakes of its role, so that the role's queue is routed across all of
+  them); once that worked
   (``confirm(..., registered=True)``) the wake needs no JoinScheduler. Not journaled: a
   restarted Controller sends JoinScheduler again, which is idempotent.
 * done: the planned rebalancing migrations onto the new replicas (Rebalance, best effort).
