@@ -253,11 +253,10 @@ def plan_shift(
         and snapshot.trainer is TrainerPhase.WAITING
         and not by_role[Role.TRAINING]
     )
-    staged = None
     if settings.stage_rollout and settings.shift_roles:
         staged = _staged_rollout(spec, snapshot, by_role, loads, settings.min_awake_per_role)
-    if staged is not None:
-        return done(staged, f"no inference work while training: rollout +{len(staged.wakes)}")
+        if staged is not None:
+            return done(staged, f"no inference work while training: rollout +{len(staged.wakes)}")
     if not settings.shift_roles and all(by_role[r] or not loads[r].demand for r in INFERENCE_ROLES):
         return done(None, "the split between rollout and reward is held")
     if settings.policy == "rule_based":
@@ -613,8 +612,9 @@ def _staged_rollout(
     slots = [tuple(row.tolist()) for row in spec.slots(Role.ROLLOUT)]
     victims, devices = [], []
     for replica in by_role[Role.REWARD][keep:]:
-        inside = [s for s in slots if set(s) <= set(replica.devices)]  # aligned: disjoint
-        if sum(map(len, inside)) == len(replica.devices):
+        held = set(replica.devices)
+        inside = [s for s in slots if held.issuperset(s)]  # aligned blocks: disjoint
+        if sum(map(len, inside)) == len(held):
             victims.append(replica)
             devices += inside
     if not victims:
