@@ -1160,9 +1160,9 @@ def compare(
     ``settings`` names), PivotRL each of those also with each way of ``roles``
     (``configurations``), and keeps, and sweeps with, the one that serves it best. ``on_run``
     gets each run that ``Comparison.runs`` will list as it finishes (what an interrupted
-    comparison has so far). ``jobs`` > 1 and ``sweep``: the runs of a deployment run in that
-    many worker processes, a sweep's first candidates beside Table 4's run (``SplitRuns``);
-    the comparison is the same as with one. ``split``: its deployment alone, at that split
+    comparison has so far). ``jobs`` > 1: the runs of a deployment run in up to that many
+    worker processes, its configurations side by side and a sweep's first candidates beside
+    Table 4's run (``SplitRuns``); the comparison is the same as with one. ``split``: its deployment alone, at that split
     instead of Table 4's (labelled ``split``), not swept."""
     if jobs < 1:
         raise SimulationError(f"jobs must be >= 1, got {jobs}")
@@ -1183,7 +1183,7 @@ def compare(
         done=on_run or (lambda _: None),
         routers=routers,
         roles=roles,
-        jobs=jobs if sweep else 1,
+        jobs=jobs,
     )
 
 
@@ -1246,11 +1246,15 @@ def _compare(
     baselines: dict[str, BaselineRuns] = {}
     chosen: dict[str, SimulationSettings] = {}
     for kind in kinds:
+        configs = configurations(kind, settings, routers, roles)
+        # no more workers than runs a deployment can have under way: without a sweep, one per
+        # configuration (one: it runs in this process, no worker to start)
+        workers = jobs if _swept(kind, sweep) else min(jobs, len(configs))
         # a pool per deployment: what one ran ahead and no longer needs stops with it
-        with _workers(jobs) as pool:
+        with _workers(workers) as pool:
             baselines[kind.value] = _deployment_runs(
                 workload, gpus, settings, kind, sweep, journal_dir, say, done,
-                configurations(kind, settings, routers, roles), pool, jobs, chosen, start,
+                configs, pool, workers, chosen, start,
             )  # fmt: skip
     pivot_runs = baselines.pop(DeploymentKind.PIVOT.value, None)
     return Comparison(
@@ -1292,6 +1296,11 @@ def configurations(
     return out
 
 
+def _swept(kind: DeploymentKind, sweep: bool) -> bool:
+    """Whether a comparison sweeps ``kind``'s split: colocated has none to sweep."""
+    return sweep and kind is not DeploymentKind.COLOCATED
+
+
 def _deployment_runs(
     workload: Workload,
     gpus: int,
@@ -1311,7 +1320,7 @@ def _deployment_runs(
     sweep with the best of them; the settings it keeps go to ``chosen``."""
     split = start or table4_split(kind, gpus, workload.replica_sizes())
     label = "table4" if start is None else "split"
-    swept = sweep and kind is not DeploymentKind.COLOCATED
+    swept = _swept(kind, sweep)
     flight: set[Future[RunResult]] = set()
     by_config = {
         name: SplitRuns(

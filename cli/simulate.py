@@ -18,8 +18,8 @@ that split and only lends the trainer pool (``--roles``; by default both are tri
 the report says which. Every static baseline (and PivotRL's trainer pool) runs at the
 seed's Table 4 split scaled to N devices and at the best split a hill-climb over the sweep
 grid finds, in the same regime (``--no-sweep``: Table 4 only; ``--jobs``: worker processes,
-default one per CPU it may use, running a sweep's next candidates side by side with the
-same result); PivotRL's speedup over a
+default one per CPU it may use, running a deployment's configurations and a sweep's next
+candidates side by side with the same result); PivotRL's speedup over a
 baseline is against the better of the two. For the run each comparison uses (PivotRL's best,
 each baseline's best) it prints the fraction of the physical bounds reached by the measured
 steps, from the first one's start (work-conserving, critical-path, combined: ``pivot.bounds``) and the time account
@@ -203,8 +203,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--jobs",
         type=positive,
         default=None,
-        help="worker processes for a comparison's runs: a sweep's next candidates run side "
-        "by side, the same result (default: one per CPU this process may use; "
+        help="worker processes for a comparison's runs: a deployment's configurations and a "
+        "sweep's next candidates run side by side, the same result (default: one per CPU "
+        "this process may use; "
         "1: one run at a time, in process)",
     )
     p.add_argument("--no-plot", action="store_true", help="skip the plots")

@@ -702,6 +702,36 @@ def test_a_sweep_in_worker_processes_climbs_as_one_in_process(tmp_path):
     assert parallel == serial
 
 
+def test_configurations_without_a_sweep_run_side_by_side_as_in_process(tmp_path, monkeypatch):
+    # --no-sweep: PivotRL's two ways of treating its split are two runs, in two workers at
+    # once (they ran one after the other, in this process, whatever --jobs said); the same
+    # figures either way
+    from pivot.actors import simulation
+
+    workload = _busy_toy(tmp_path)
+    settings = SimulationSettings(steps=1)
+    pools = []
+    real = simulation._workers
+
+    def counted(jobs):
+        pools.append(jobs)
+        return real(jobs)
+
+    monkeypatch.setattr(simulation, "_workers", counted)
+
+    def runs(jobs: int):
+        comparison = compare(
+            workload, 6, settings, deployments=["pivot"], sweep=False, jobs=jobs,
+            roles=(True, False), journal_dir=tmp_path / f"jobs{jobs}",
+        )  # fmt: skip
+        return comparison.pivot_runs.routers_tried, [r.summary() for r in comparison.runs()]
+
+    serial, parallel = runs(1), runs(3)
+    assert pools == [1, 2]  # one worker per configuration, not the 3 asked for
+    assert len(serial[0]) == 2
+    assert parallel == serial
+
+
 def test_pivot_runs_with_every_device_in_its_trainer_pool(tmp_path):
     # the sweep's top end: no shared device; the pool is lent whenever the trainer waits. Past
     # the first step every lend starts with no replica of either role (they hung there: no
