@@ -137,6 +137,9 @@ class CriticalSample(msgspec.Struct, frozen=True, kw_only=True):
     rollout_start_s: float
     response_s: float
     judgment_s: float
+    # of ``judgment_s``, its judgment's wait in the reward scheduler's queue before its first
+    # dispatch (0: none, or no GenRM judged it)
+    judgment_queued_s: float = 0.0
     prompt_tokens: int
     response_tokens: int
     judge_prompt_tokens: int  # 0: no GenRM judged it
@@ -224,6 +227,7 @@ class _Batch:
             rollout_start_s=began - self.started,
             response_s=ended - began,
             judgment_s=scored_at - ended,
+            judgment_queued_s=sample.judgment.queued_s if sample.judgment is not None else 0.0,
             prompt_tokens=len(sample.prompt_ids),
             response_tokens=len(sample.response_ids),
             judge_prompt_tokens=judge_prompt,

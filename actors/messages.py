@@ -65,6 +65,9 @@ class Completion(msgspec.Struct, frozen=True, kw_only=True):
     replica: str = ""
     # a migrated sequence: its re-prefill's seconds on the replica that finished it
     reprefill_s: float = 0.0
+    # seconds it waited in its role's queue before its first dispatch (set by the scheduler;
+    # its waits after an abort are the migration's)
+    queued_s: float = 0.0
 
 
 # -- driver <-> scheduler

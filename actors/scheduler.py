@@ -431,6 +431,7 @@ class Scheduler(Actor):
                     generated_tokens=len(work.generated_ids),
                     policy_version=work.policy_version,
                     session=work.session,
+                    queued_at=self.clock.now(),
                 )
             )
         self._kick.set()
@@ -469,7 +470,9 @@ class Scheduler(Actor):
 
     def _complete(self, replica: str, completions: list[Completion]) -> None:
         for completion in completions:
-            self.core.complete(replica, completion.seq_id, len(completion.token_ids))
+            seq = self.core.complete(replica, completion.seq_id, len(completion.token_ids))
+            if seq.first_wait_s:
+                completion = msgspec.structs.replace(completion, queued_s=seq.first_wait_s)
             work = self._work.pop(completion.seq_id, None)
             to = (work.reply_to if work is not None else "") or self.downstream
             self._outbox.setdefault(to, []).append(completion)

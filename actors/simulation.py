@@ -176,12 +176,14 @@ class CriticalChain(msgspec.Struct, frozen=True, kw_only=True):
     """A step's sample scored last (the one its batch waited for; ``driver.CriticalSample``):
     its rollout and its judgment as they took, each beside the same work alone (prefill,
     then decode at batch 1: ``pivot.bounds.alone_s``). What a stage took beyond its alone
-    time is queueing, others' prefills and decoding among others."""
+    time is queueing, others' prefills and decoding among others; of the judgment's, its wait
+    in the reward queue before its first dispatch is ``judgment_queued_s``."""
 
     response_s: float
     response_alone_s: float
     judgment_s: float
     judgment_alone_s: float
+    judgment_queued_s: float = 0.0
 
     @classmethod
     def of(cls, sample: CriticalSample, inference: Mapping[Role, InferenceCost]) -> CriticalChain:
@@ -195,6 +197,7 @@ class CriticalChain(msgspec.Struct, frozen=True, kw_only=True):
             judgment_alone_s=float(
                 alone_s(inference[Role.REWARD], sample.judge_prompt_tokens, sample.judgment_tokens)
             ),
+            judgment_queued_s=sample.judgment_queued_s,
         )
 
 
@@ -274,7 +277,8 @@ class RunResult(msgspec.Struct, kw_only=True):
         beyond that is queueing and decoding among others, the trainer's wait, and training
         on fewer devices. Beside them the step's sample scored last (``CriticalChain``):
         its rollout and its judgment (``critical_response_s``, ``critical_judgment_s``), each
-        with the same work alone (``..._alone_s``)."""
+        with the same work alone (``..._alone_s``), and of the judgment its wait in the reward
+        queue (``critical_judgment_queued_s``)."""
         measured = [s for s in self.steps if not s.warmup]
         if not measured:
             return {}
@@ -575,7 +579,15 @@ def simulation_deployment(workload: Workload, split: Split) -> Deployment:
 def _routers(
     kind: DeploymentKind, settings: SimulationSettings, workload: Workload
 ) -> dict[Role, RouterSettings]:
-    paper = {Role.ROLLOUT: ROLLOUT_ROUTER, Role.REWARD: REWARD_ROUTER}
+    # a replica takes what its engine runs at once (the workload's max_running, as the paper's
+    # launchers set the router's max_concurrent_seqs_per_instance): a scheduler that sent it
+    # more would keep them waiting in the engine, out of its queue and of the planner's sight
+    paper = {
+        role: msgspec.structs.replace(
+            rule, max_concurrent_per_replica=workload.model(role).max_running
+        )
+        for role, rule in ((Role.ROLLOUT, ROLLOUT_ROUTER), (Role.REWARD, REWARD_ROUTER))
+    }
     if kind is DeploymentKind.PIVOT and settings.protect_oldest:
         # a role's mean prompt: its sequences' prompts, as the first step draws them
         lengths = workload.sampler(settings.seed).step(0)

@@ -628,10 +628,16 @@ def _latency_table(latencies: dict[str, dict]) -> list[str]:
     if critical:
         lines += [
             "the step's sample scored last (mean s): its rollout and its judgment, each beside "
-            "the same alone:",
-            f"{'deployment':<15}{'rollout':>9}{'alone':>9}{'judgment':>9}{'alone':>9}",
+            "the same alone, and of the judgment its wait in the reward queue:",
+            f"{'deployment':<15}{'rollout':>9}{'alone':>9}{'judgment':>9}{'alone':>9}{'queued':>9}",
         ]
-        keys = ("response_s", "response_alone_s", "judgment_s", "judgment_alone_s")
+        keys = (
+            "response_s",
+            "response_alone_s",
+            "judgment_s",
+            "judgment_alone_s",
+            "judgment_queued_s",
+        )
         for kind, t in critical.items():
             lines.append(f"{kind:<15}" + "".join(f"{t['critical_' + k]:>9.1f}" for k in keys))
     return lines

@@ -28,6 +28,10 @@ class Sequence(msgspec.Struct, kw_only=True):
     attempts: int = 0  # aborts survived; > 0 means the next dispatch re-prefills
     session: str = ""  # a multi-turn session's id: routing prefers the replica of its last turn
     placed_at: float = 0.0  # when it was last dispatched to a replica (the scheduler's clock)
+    # when it joined its role's queue (None: not said), and how long it waited there before
+    # its first dispatch (None: not dispatched yet, or not said when it joined)
+    queued_at: float | None = None
+    first_wait_s: float | None = None
 
     @property
     def tokens(self) -> int:

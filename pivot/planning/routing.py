@@ -408,6 +408,8 @@ class RoleScheduler:
         self._load[i] += 1
         self._tokens[i] += seq.tokens
         seq.placed_at = now
+        if seq.first_wait_s is None and seq.queued_at is not None:
+            seq.first_wait_s = max(now - seq.queued_at, 0.0)
         self.ledger.move(seq.id, Owner.replica(replica_id), expect=self._owner)
         reprefill = seq.attempts > 0
         if reprefill:

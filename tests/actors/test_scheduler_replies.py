@@ -55,15 +55,17 @@ def engine() -> ScriptedEngine:
 
 
 class Inbox(Actor):
-    """Keeps the sequence ids and replicas of every completion delivered to it."""
+    """Keeps the sequence ids, replicas and queue waits of every completion delivered to it."""
 
     def __init__(self, name: str, bus: Bus) -> None:
         super().__init__(name, bus)
         self.replicas: dict[int, str] = {}
+        self.queued_s: dict[int, float] = {}
 
     @handles
     def completed(self, msg: Completed) -> Ack:
         self.replicas.update((c.seq_id, c.replica) for c in msg.completions)
+        self.queued_s.update((c.seq_id, c.queued_s) for c in msg.completions)
         return Ack(count=len(msg.completions))
 
 
@@ -131,6 +133,31 @@ def test_each_destination_gets_its_own_and_a_gone_reply_to_stops_nothing():
     errors = [line for line in lines if line["level"] == "error"]
     assert len(errors) == 1  # one line for the batch, after the budget, not one per attempt
     assert errors[0]["destination"] == "gone" and errors[0]["sequences"] == 2
+
+
+def test_a_completion_says_how_long_its_sequence_waited_in_the_queue_before_its_dispatch():
+    async def main(clock):
+        bus = Bus.local(rl_messages(), transport=LocalTransport(), clock=clock)
+        sched = scheduler(bus)
+        driver, client = Inbox("driver", bus), Actor("client", bus)
+        actors = [sched, driver, client]
+        for actor in actors:
+            await actor.start()
+        # no replica yet: both wait until one registers 5 s later
+        await client.request("sched", SubmitSequences(sequences=[work(0), work(1)]))
+        await clock.sleep(5.0)
+        actors.append(agent(bus, "agent-0"))
+        await actors[-1].start()
+        await until(clock, lambda: {0, 1} <= set(driver.replicas))
+        await client.request("sched", SubmitSequences(sequences=[work(2)]))  # a replica is free
+        await until(clock, lambda: 2 in driver.replicas)
+        for actor in reversed(actors):
+            await actor.stop()
+        return driver.queued_s
+
+    queued = run_virtual(main)
+    assert 5.0 <= queued[0] < 5.5 and 5.0 <= queued[1] < 5.5
+    assert queued[2] < 0.1
 
 
 def test_a_requeued_sequence_keeps_its_reply_to():

@@ -116,6 +116,7 @@ def test_json_comparison_is_the_same_bytes_for_the_same_seed(tmp_path, capsys):
         # longer than the batch's longest chain, both as they took within its time to training
         assert t["critical_response_s"] >= t["critical_response_alone_s"] > 0
         assert t["critical_judgment_s"] >= t["critical_judgment_alone_s"] > 0
+        assert 0 <= t["critical_judgment_queued_s"] <= t["critical_judgment_s"]
         alone = t["critical_response_alone_s"] + t["critical_judgment_alone_s"]
         assert alone <= t["chain_s"] + 1e-3
         took = t["critical_response_s"] + t["critical_judgment_s"]

@@ -150,6 +150,8 @@ def test_more_reward_devices_halve_the_judging_of_a_saturated_reward_stage(tmp_p
         assert critical.response_alone_s == pytest.approx(rollout, abs=1e-4)
         assert critical.judgment_alone_s == pytest.approx(50 * ITL, abs=1e-4)
         assert critical.judgment_s == pytest.approx(rounds * 50 * ITL, abs=2e-3)
+        # that round it waited in the reward queue, for the replica's first two to finish
+        assert critical.judgment_queued_s == pytest.approx((rounds - 1) * 50 * ITL, abs=2e-3)
         assert result.latency()["critical_judgment_s"] == pytest.approx(critical.judgment_s)
 
 
