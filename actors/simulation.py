@@ -1174,8 +1174,8 @@ def compare(
     gets each run that ``Comparison.runs`` will list as it finishes (what an interrupted
     comparison has so far). ``jobs`` > 1: the runs of a deployment run in up to that many
     worker processes, its configurations side by side and a sweep's first candidates beside
-    Table 4's run (``SplitRuns``); the comparison is the same as with one. ``split``: its deployment alone, at that split
-    instead of Table 4's (labelled ``split``), not swept."""
+    Table 4's run (``SplitRuns``); the comparison is the same as with one. ``split``: its
+    deployment alone, at that split instead of Table 4's (labelled ``split``), not swept."""
     if jobs < 1:
         raise SimulationError(f"jobs must be >= 1, got {jobs}")
     if split is not None and split.gpus != gpus:
