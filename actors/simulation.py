@@ -97,7 +97,7 @@ from pivot.deployment import (
     sweep_splits,
     table4_split,
 )
-from pivot.engines.sim_engine import SimTrainer
+from pivot.engines.sim_engine import REAL_COSTS, Idealization, SimTrainer
 from pivot.planning.cost import CostModel
 from pivot.planning.planner import PlannerSettings
 from pivot.planning.routing import (
@@ -170,6 +170,9 @@ class SimulationSettings(ConfigStruct, kw_only=True):
     # new one (same journal) starts after ``restart_after_s``
     crash_before_record: int | None = None
     restart_after_s: float = 5.0
+    # costs the simulated replicas leave out (a what-if: ``HEADROOM``); the bounds and the
+    # time account still price the workload as it is
+    ideal: Idealization = REAL_COSTS
 
 
 class CriticalChain(msgspec.Struct, frozen=True, kw_only=True):
@@ -528,6 +531,7 @@ class SimBackend:
                     itl_noise=settings.itl_noise,
                     token_events=False,
                     placeholders=True,
+                    ideal=settings.ideal,
                 )
                 for r in agent.engine_roles
             }
@@ -549,7 +553,9 @@ class SimBackend:
     def trainer(
         self, name: str, deployment: Deployment, controller: str | None
     ) -> Callable[[Clock], SimTrainingBackend]:
-        self.trainer_engine = engine = self.workload.make_trainer(len(deployment.trainer_devices))
+        whole = self.settings.ideal.training
+        devices = deployment.split.gpus if whole else len(deployment.trainer_devices)
+        self.trainer_engine = engine = self.workload.make_trainer(devices)
         # a reward helper reads the GenRM back on returning (a rollout one: the new policy,
         # as every rollout replica does)
         genrm = {Role.REWARD.value: self.workload.config.genrm.params_b}
@@ -744,6 +750,7 @@ async def _simulate(
         routers=backend.routers,
         meter=backend.meter,
         staleness=settings.staleness,
+        ideal=settings.ideal,
     )
 
 
@@ -759,6 +766,7 @@ def _result(
     routers: Mapping[Role, RouterSettings],
     meter: DeviceMeter | None = None,
     staleness: int = 0,
+    ideal: Idealization = REAL_COSTS,
 ) -> RunResult:
     """The run's figures. Throughput is over the window from the end of the last of the
     ``warmup`` steps to the end of the last step. The bounds and the time account are of the
@@ -767,7 +775,8 @@ def _result(
     step's work lies inside it and each bound stays a lower bound; the warm-up enters the
     critical path with its actual times. They take the job's ``staleness`` whatever the
     deployment ran with (colocated runs synchronously): the same yardstick for every
-    deployment of a job."""
+    deployment of a job. ``ideal``: the costs its replicas left out, which its migration
+    cost leaves out too."""
     reports = assembly.driver.reports
     schedulers = assembly.schedulers
     trainer: Any = assembly.trainer
@@ -794,6 +803,12 @@ def _result(
     samples = sum(s.samples for s in measured)
     tokens = sum(s.tokens for s in measured)
     marks = observer.marks
+    reprefill_s = 0.0
+    if not (ideal.prefill or ideal.reprefill):
+        reprefill_s = sum(
+            s.core.reprefill_tokens / workload.prefill_tokens_per_s(role)
+            for role, s in schedulers.items()
+        )
     migration = MigrationCost(
         shifts=len(marks),
         shift_s=sum(m.seconds for m in marks),
@@ -801,10 +816,7 @@ def _result(
         aborted=sum(s.core.aborts for s in schedulers.values()),
         reprefills=sum(s.core.reprefills for s in schedulers.values()),
         reprefill_tokens=sum(s.core.reprefill_tokens for s in schedulers.values()),
-        reprefill_s=sum(
-            s.core.reprefill_tokens / workload.prefill_tokens_per_s(role)
-            for role, s in schedulers.items()
-        ),
+        reprefill_s=reprefill_s,
     )
     bound = run_account = None
     drawn = getattr(assembly.driver.source, "drawn", None)
@@ -1455,6 +1467,27 @@ def horizon_study(
     return out
 
 
+def _variants_study(
+    workload: Workload,
+    gpus: int,
+    settings: SimulationSettings,
+    variants: Mapping[str, SimulationSettings],
+    *,
+    journal_dir: str | Path | None,
+    on_run: Callable[[RunResult], None] | None,
+    split: Split | None,
+) -> list[RunResult]:
+    """PivotRL as ``settings`` say (``full``), then as each variant says, at Table 4's split
+    or ``split``."""
+    split = _study_split(workload, gpus, split)
+    done = on_run or (lambda _: None)
+    out = []
+    for label, variant in {"full": settings, **variants}.items():
+        out.append(simulate(workload, split, variant, label=label, journal_dir=journal_dir))
+        done(out[-1])
+    return out
+
+
 def ablation_study(
     workload: Workload,
     gpus: int,
@@ -1467,24 +1500,52 @@ def ablation_study(
 ) -> list[RunResult]:
     """PivotRL with all its mechanisms and with each of ``names`` off in turn, at Table 4's
     split or ``split``."""
-    split = _study_split(workload, gpus, split)
-    done = on_run or (lambda _: None)
-    out = [simulate(workload, split, settings, label="full", journal_dir=journal_dir)]
-    done(out[-1])
     for name in names:
         if name not in ABLATIONS:
             raise SimulationError(f"unknown ablation {name!r}; known: {', '.join(ABLATIONS)}")
-        out.append(
-            simulate(
-                workload,
-                split,
-                pivot_settings(settings, **ABLATIONS[name]),
-                label=name,
-                journal_dir=journal_dir,
-            )
-        )
-        done(out[-1])
-    return out
+    variants = {name: pivot_settings(settings, **ABLATIONS[name]) for name in names}
+    return _variants_study(
+        workload, gpus, settings, variants, journal_dir=journal_dir, on_run=on_run, split=split
+    )
+
+
+# What-if clusters, each with one kind of cost left out: the runs' bound fractions say how
+# much of the distance from the bounds that cost accounts for (the bounds price the workload
+# as it is), and "all" what is left without any of them (the schedule's own: waits, shifts)
+HEADROOM: dict[str, Idealization] = {
+    "free-prefill": Idealization(prefill=True),
+    "free-reprefill": Idealization(reprefill=True),
+    "free-batching": Idealization(batching=True),
+    "free-training": Idealization(training=True),
+    "all": Idealization(prefill=True, batching=True, training=True),
+}
+
+
+def headroom_study(
+    workload: Workload,
+    gpus: int,
+    settings: SimulationSettings,
+    names: Sequence[str] = tuple(HEADROOM),
+    *,
+    journal_dir: str | Path | None = None,
+    on_run: Callable[[RunResult], None] | None = None,
+    split: Split | None = None,
+) -> list[RunResult]:
+    """PivotRL as it is and on each of ``names``' what-if replicas (``HEADROOM``), at Table
+    4's split or ``split``."""
+    for name in names:
+        if name not in HEADROOM:
+            raise SimulationError(f"unknown what-if {name!r}; known: {', '.join(HEADROOM)}")
+    variants = {}
+    for name in names:
+        ideal = HEADROOM[name]
+        # a trainer as fast as the whole cluster takes no gradient helpers: they would make it
+        # faster than any cluster could
+        changes = {"gradient_helpers": False} if ideal.training else {}
+        variants[name] = pivot_settings(settings, ideal=ideal, **changes)
+    return _variants_study(
+        workload, gpus, settings, variants, journal_dir=journal_dir, on_run=on_run, split=split
+    )
 
 
 def overall_series(result: RunResult) -> list[tuple[float, float]]:

@@ -3,7 +3,7 @@ against the colocated, disaggregated and rollout-reward colocated deployments.
 
     pivot simulate CONFIG [--deployment D] [--gpus N] [--steps K] [--warmup W] [--seed S]
                           [--json] [--run-dir DIR] [--horizon H] [--ablation A ...]
-                          [--study horizon|ablation] [--no-sweep] [--router R]
+                          [--study horizon|ablation|headroom] [--no-sweep] [--router R]
                           [--roles best|shift|held] [--split SPLIT]
                           [--prior-itl-scale ROLE=X ...] [--jobs J]
 
@@ -38,6 +38,17 @@ Each metrics line has ``record`` (run | step | sample | shift | train) and ``run
 ``RO+RM96/TR32``, ``all128``, ``shared32/pool96``) runs its deployment alone at that split,
 not swept, instead of Table 4's; with ``--study`` PivotRL's split. Its pools' sum is the
 cluster (``--gpus``, when given, must agree).
+
+``--study`` runs PivotRL alone, at Table 4's split or ``--split``'s, once per variant: ``horizon``
+at each planner horizon H, ``ablation`` with each mechanism off in turn, ``headroom`` on
+what-if clusters that leave out one kind of cost each (``free-prefill``: admitting a
+sequence; ``free-reprefill``: only resuming a migrated one, as if its KV cache moved with
+it; ``free-batching``: each replica decodes as one sequence of its mean context alone;
+``free-training``: the trainer steps as fast as on every device, without gradient helpers;
+``all``: every one of them), where the bounds still price the workload as it is: how far
+each run's fractions move says how much of the distance from the bounds that cost accounts
+for, and ``all`` what the schedule itself leaves (a what-if may pass 1.0). Each study's
+table has every run's bound fractions, and its ``--json`` each run's ``latency``.
 
 ``--prior-itl-scale rollout=1.5`` starts PivotRL's planner from a cost model 1.5x too slow
 for rollout while the engines run the true one: the online refit's test (with ``--study
@@ -75,7 +86,7 @@ DEPLOYMENTS = ("all", *KIND_NAMES)
 # (Over four seeds the 1.5B bound still spreads 7% at 63 steps and 3% at ~128.)
 WARMUP_STEPS = 3
 MEASURED_STEPS = 63
-STUDIES = ("horizon", "ablation")
+STUDIES = ("horizon", "ablation", "headroom")
 # the keys of pivot.actors.simulation.ABLATIONS, named here so that building the parser imports
 # nothing heavy (``pivot --help`` stays instant)
 ABLATION_NAMES = (
@@ -162,7 +173,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--study",
         choices=STUDIES,
         default=None,
-        help="horizon: H in 5..90 s; ablation: each mechanism off in turn",
+        help="horizon: H in 5..90 s; ablation: each mechanism off in turn; headroom: "
+        "replicas that leave out prefill, re-prefill or batching costs, each in turn",
     )
     p.add_argument("--no-sweep", action="store_true", help="baselines at Table 4's split only")
     p.add_argument(
@@ -221,6 +233,7 @@ def main(args: argparse.Namespace) -> int:
         SimulationSettings,
         ablation_study,
         compare,
+        headroom_study,
         horizon_study,
         pivot_settings,
     )
@@ -281,7 +294,11 @@ def main(args: argparse.Namespace) -> int:
     }
     try:
         if args.study is not None:
-            study = horizon_study if args.study == "horizon" else ablation_study
+            study = {
+                "horizon": horizon_study,
+                "ablation": ablation_study,
+                "headroom": headroom_study,
+            }[args.study]
             results = study(
                 workload,
                 args.gpus,
@@ -461,6 +478,7 @@ def _study_report(
         row["bound"] = r.bound_fractions()
         row["account"] = r.account_seconds()
         row["account_by_role"] = r.account_by_role()
+        row["latency"] = r.latency()
         rows.append(row)
     return {
         "workload": name,
@@ -496,13 +514,17 @@ def _format(report: dict[str, Any], plots: list[Path]) -> str:
         lines.append(f"PivotRL at {report['split']}")
         lines.append(
             f"{'run':<20}{'samples/s':>11}{'tokens/s':>12}{'shifts/step':>13}{'shift s':>9}"
-            f"{'migrated':>10}"
+            f"{'migrated':>10}{'work':>7}{'path':>7}{'bound':>7}"
         )
         for row in report["results"]:
-            m = row["migration"]
+            m, b = row["migration"], row["bound"]
             lines.append(
                 f"{row['label']:<20}{row['samples_per_s']:>11.3f}{row['tokens_per_s']:>12.0f}"
                 f"{row['shifts_per_step']:>13.2f}{m['shift_s']:>9.1f}{m['aborted']:>10}"
+                + "".join(
+                    f"{b[k]:>7.3f}" if k in b else f"{'-':>7}"
+                    for k in ("work", "critical_path", "combined")
+                )
             )
     else:
         lines.append(

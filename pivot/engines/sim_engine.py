@@ -95,6 +95,24 @@ class Placeholders(msgspec.Struct, frozen=True):
         return itertools.repeat(DUMMY_TOKEN, self.count)
 
 
+class Idealization(msgspec.Struct, frozen=True):
+    """Costs a what-if simulated cluster leaves out (``pivot simulate --study headroom``): how
+    much of a run's distance from its bounds each one accounts for. ``prefill``: admitting a
+    sequence costs nothing, its prompt and any re-prefill; ``reprefill``: only a resumed
+    sequence's context costs nothing (its KV cache moved with it); ``batching``: a replica
+    decodes at the latency of one sequence of its mean context alone, however many run on it;
+    ``training``: the trainer steps as fast as on every device of the cluster (the
+    critical-path bound's training) while it holds only its own."""
+
+    prefill: bool = False
+    reprefill: bool = False
+    batching: bool = False
+    training: bool = False
+
+
+REAL_COSTS = Idealization()
+
+
 # --- the inference replica -------------------------------------------------------------------
 
 
@@ -155,7 +173,8 @@ class SimInferenceEngine:
     ``token_events``: whether a one-iteration step lists a TokenEvent per sequence (the
     protocol's streaming); turn off when nobody reads them. ``placeholders``: outputs carry
     ``Placeholders`` for token ids and no log-probabilities, and ``add`` reads only the length
-    of ``generated_ids`` (no ``generated_logprobs`` needed).
+    of ``generated_ids`` (no ``generated_logprobs`` needed).``ideal``: costs left
+    out, for a what-if (``Idealization``; the default leaves none out).
     """
 
     def __init__(
@@ -171,6 +190,7 @@ class SimInferenceEngine:
         token_events: bool = True,
         weights_version: int = 0,
         placeholders: bool = False,
+        ideal: Idealization = REAL_COSTS,
     ) -> None:
         if max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {max_running}")
@@ -196,6 +216,7 @@ class SimInferenceEngine:
         self.itl_noise = itl_noise
         self.token_events = token_events
         self.placeholders = placeholders
+        self.ideal = ideal
         self._admit_limit = kv_capacity_tokens * (1.0 - kv_watermark)
         self._rng = random.Random(seed)
         self._held: dict[SeqId, _SimSequence] = {}
@@ -353,6 +374,10 @@ class SimInferenceEngine:
                 if s.generated:
                     reprefill += ctx
                 r += 1
+        if self.ideal.prefill:
+            prefill = reprefill = 0
+        elif self.ideal.reprefill:
+            prefill, reprefill = prefill - reprefill, 0
         until = 0
         if r:
             until = (self.kv_capacity_tokens - kv) // r
@@ -379,17 +404,21 @@ class SimInferenceEngine:
         ]
         return min(rest, default=1 << 62)
 
-    def _segment_cost(self, k: int, r: int, tokens: int, prefill_s: float) -> float:
+    def _segment_cost(self, k: int, r: int, tokens: float, prefill_s: float) -> float:
         """Cost of ``k`` iterations of a batch of ``r`` holding ``tokens`` at the first."""
+        if self.ideal.batching:
+            r, tokens = 1, tokens / r
         m = self.cost_model
         base = max(m.b, m.c * r) + m.d
         return prefill_s + k * base + m.a * (k * tokens + r * k * (k - 1) / 2)
 
     def _iterations_starting_within(
-        self, budget_s: float, limit: int, r: int, tokens: int, prefill_s: float
+        self, budget_s: float, limit: int, r: int, tokens: float, prefill_s: float
     ) -> int:
         """How many of ``limit`` iterations start before ``budget_s`` (at least one): the loop
         ``while elapsed < budget_s: step()``, solved in closed form."""
+        if self.ideal.batching:
+            r, tokens = 1, tokens / r
         m = self.cost_model
         base = max(m.b, m.c * r) + m.d
         # iteration i (0-based) starts at S(i) = prefill + i*base + a*(i*T + r*i*(i-1)/2);

@@ -182,6 +182,43 @@ def test_text_output_plot_and_horizon_study(tmp_path, capsys):
     assert all(r["samples_per_s"] > 0 for r in rows)
 
 
+def test_headroom_study_runs_pivotrl_on_clusters_that_leave_each_cost_out(tmp_path, capsys):
+    # a GenRM that prefills slowly, replicas that slow down with more sequences and a trainer
+    # whose step shrinks with more devices: prefill, batching and training each cost time
+    toy_workload(
+        tmp_path,
+        prompts=2,
+        samples=4,
+        sigma=0.8,
+        response=200,
+        per_running=0.005,
+        genrm_prefill_tokens_per_s=500.0,
+        hardware={"peak_bf16_tflops": 0.001, "train_mfu": 0.5},
+    )
+    argv = [str(tmp_path / "toy.toml"), "--gpus", "8", "--steps", "2", "--warmup", "1"]
+    argv += ["--study", "headroom", "--json", "--no-plot", "--run-dir", str(tmp_path / "run")]
+    rows = {r["label"]: r for r in json.loads(_run(argv, capsys))["results"]}
+    labels = ["full", "free-prefill", "free-reprefill", "free-batching", "free-training", "all"]
+    assert list(rows) == labels
+    assert all(set(r["bound"]) == {"work", "critical_path", "combined"} for r in rows.values())
+
+    def judging_s(label: str) -> float:  # the reward role's engine device-seconds
+        role = rows[label]["account_by_role"]["reward"]
+        return role["busy"] + role["under_filled"] + role["re_prefilling"]
+
+    for label in ("free-prefill", "free-reprefill", "free-batching", "all"):
+        assert judging_s(label) < judging_s("full"), label
+    assert judging_s("free-training") == judging_s("full")
+    # a run whose replicas re-prefill for free reports no re-prefill time
+    assert rows["full"]["migration"]["reprefill_s"] > 0
+    for label in ("free-prefill", "free-reprefill", "all"):
+        assert rows[label]["migration"]["reprefill_s"] == 0, label
+    # the trainer steps on its pool, or as fast as the bound's trainer on every device
+    train = {label: rows[label]["latency"]["train_s"] for label in ("full", "free-training")}
+    bound = rows["full"]["latency"]["train_bound_s"]
+    assert train["full"] > 1.05 * bound and train["free-training"] == pytest.approx(bound)
+
+
 def test_the_parser_names_every_ablation_and_router_rule_and_imports_nothing_heavy():
     import typing
 

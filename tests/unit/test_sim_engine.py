@@ -17,6 +17,7 @@ from pivot.engines.protocol import (
 from pivot.engines.sim_engine import (
     DUMMY_TOKEN,
     Hardware,
+    Idealization,
     Placeholders,
     ShiftCostModel,
     ShiftCosts,
@@ -66,6 +67,36 @@ def test_decode_timing_matches_the_cost_model_by_hand():
     assert stats.kv_tokens == 0 and stats.running == 0
     assert e.busy_s == pytest.approx(sum(HAND_STEPS))
     assert stats.last_step_s == pytest.approx(0.035)
+
+
+def test_a_replica_that_leaves_batching_out_decodes_as_one_sequence_of_its_mean_context():
+    e = engine(ideal=Idealization(batching=True))
+    add_two(e)
+    # step 1: prefill 30 tokens (0.030) + ITL(1, 30 / 2) = 0.015 + 0.010 + 0.002 -> 0.057;
+    # step 2: ITL(1, 32 / 2) = 0.028; then "b" alone, as in HAND_STEPS
+    alone = [0.057, 0.028, 0.034, 0.035]
+    assert e.next_event() == (2, pytest.approx(alone[0] + alone[1]))
+    # iterations start at 0 and 0.057 (< 0.06): two, in one call
+    out = e.step(max_tokens=None, max_cost_s=0.06)
+    assert out.step == 2 and out.cost_s == pytest.approx(alone[0] + alone[1])
+    costs = [e.step().cost_s for _ in range(2)]
+    assert costs == pytest.approx(alone[2:]) and not e.has_unfinished()
+
+
+def test_a_replica_that_leaves_prefill_out_admits_for_nothing_and_re_prefill_only_resumes():
+    free = engine(ideal=Idealization(prefill=True))
+    add_two(free)
+    # HAND_STEPS' first step without its 30 tokens of prefill
+    assert free.step().cost_s == pytest.approx(0.072 - 0.030)
+    handed = (5, 6, 7, 8)
+    receiver = engine(ideal=Idealization(reprefill=True))
+    receiver.add(7, [1] * 50, handed, sim_sampling(10), generated_logprobs=[0.0] * 4)
+    receiver.add(8, [1] * 20, sampling=sim_sampling(3))
+    out = receiver.step()
+    # the resumed sequence's 54 tokens cost nothing, the new one's 20 prefill at 1000/s;
+    # then ITL(2, 74) = 0.074 + 0.010 + 0.002
+    assert out.prefill_tokens == 20
+    assert out.cost_s == pytest.approx(0.020 + 0.086)
 
 
 def test_plain_step_streams_one_event_per_running_sequence():
