@@ -174,7 +174,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         choices=STUDIES,
         default=None,
         help="horizon: H in 5..90 s; ablation: each mechanism off in turn; headroom: "
-        "replicas that leave out prefill, re-prefill or batching costs, each in turn",
+        "clusters that leave out prefill, re-prefill, batching or training costs, each in "
+        "turn, then all of them",
     )
     p.add_argument("--no-sweep", action="store_true", help="baselines at Table 4's split only")
     p.add_argument(
