@@ -27,6 +27,9 @@ no per-token events; ``max_tokens=1`` (the default) is the plain protocol step. 
 bounds a call in engine time instead (iterations that start within it), so a driver can keep
 aborts prompt; ``next_event()`` tells a driver how far the next event is.
 
+An ``Idealization`` makes a what-if replica that leaves a kind of cost out (prefill, re-prefill,
+batching), to measure how much of a run's distance from its bounds that cost accounts for.
+
 ``SimTrainer`` models a training step as ``fixed + flops_per_param_token * params * tokens /
 (devices * achievable FLOP/s)`` and its offload/wake costs; ``ShiftCostModel`` gives the
 phases of a shift (abort, engine release; wake, weight Read from GPS by bytes and bandwidth,
@@ -173,8 +176,8 @@ class SimInferenceEngine:
     ``token_events``: whether a one-iteration step lists a TokenEvent per sequence (the
     protocol's streaming); turn off when nobody reads them. ``placeholders``: outputs carry
     ``Placeholders`` for token ids and no log-probabilities, and ``add`` reads only the length
-    of ``generated_ids`` (no ``generated_logprobs`` needed).``ideal``: costs left
-    out, for a what-if (``Idealization``; the default leaves none out).
+    of ``generated_ids`` (no ``generated_logprobs`` needed). ``ideal``: costs left out, for a
+    what-if (``Idealization``; the default leaves none out).
     """
 
     def __init__(
