@@ -1533,12 +1533,11 @@ def headroom_study(
 ) -> list[RunResult]:
     """PivotRL as it is and on each of ``names``' what-if replicas (``HEADROOM``), at Table
     4's split or ``split``."""
-    for name in names:
-        if name not in HEADROOM:
-            raise SimulationError(f"unknown what-if {name!r}; known: {', '.join(HEADROOM)}")
     variants = {}
     for name in names:
-        ideal = HEADROOM[name]
+        ideal = HEADROOM.get(name)
+        if ideal is None:
+            raise SimulationError(f"unknown what-if {name!r}; known: {', '.join(HEADROOM)}")
         # a trainer as fast as the whole cluster takes no gradient helpers: they would make it
         # faster than any cluster could
         changes = {"gradient_helpers": False} if ideal.training else {}

@@ -407,10 +407,14 @@ class SimInferenceEngine:
         ]
         return min(rest, default=1 << 62)
 
+    def _decode_batch(self, r: int, tokens: float) -> tuple[int, float]:
+        """The batch and KV tokens a replica of ``r`` sequences holding ``tokens`` decodes at:
+        those, or one sequence of their mean context where batching is left out."""
+        return (1, tokens / r) if self.ideal.batching else (r, tokens)
+
     def _segment_cost(self, k: int, r: int, tokens: float, prefill_s: float) -> float:
         """Cost of ``k`` iterations of a batch of ``r`` holding ``tokens`` at the first."""
-        if self.ideal.batching:
-            r, tokens = 1, tokens / r
+        r, tokens = self._decode_batch(r, tokens)
         m = self.cost_model
         base = max(m.b, m.c * r) + m.d
         return prefill_s + k * base + m.a * (k * tokens + r * k * (k - 1) / 2)
@@ -420,14 +424,13 @@ class SimInferenceEngine:
     ) -> int:
         """How many of ``limit`` iterations start before ``budget_s`` (at least one): the loop
         ``while elapsed < budget_s: step()``, solved in closed form."""
-        if self.ideal.batching:
-            r, tokens = 1, tokens / r
         m = self.cost_model
-        base = max(m.b, m.c * r) + m.d
-        # iteration i (0-based) starts at S(i) = prefill + i*base + a*(i*T + r*i*(i-1)/2);
+        batch, kv = self._decode_batch(r, tokens)
+        base = max(m.b, m.c * batch) + m.d
+        # iteration i (0-based) starts at S(i) = prefill + i*base + a*(i*kv + batch*i*(i-1)/2);
         # find the largest i < limit with S(i) < budget (S(0) = 0 counts as started)
-        qa = m.a * r / 2.0
-        qb = base + m.a * tokens - qa
+        qa = m.a * batch / 2.0
+        qb = base + m.a * kv - qa
         qc = prefill_s - budget_s
         if qa > 0:
             disc = qb * qb - 4 * qa * qc
