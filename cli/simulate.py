@@ -26,7 +26,9 @@ steps, from the first one's start (work-conserving, critical-path, combined: ``p
 (device-seconds busy, under-filled, re-prefilling, idle, stalled on the trainer, trainer
 waiting, training, in transit: ``pivot.account``), with the engine's part split by inference
 role and the batch each role decoded at; ``--json`` has them under ``bound``, ``account`` and
-``account_by_role``, keyed by deployment, and every run's summary has its own. The run directory gets
+``account_by_role``, keyed by deployment, and every run's summary has its own (stdout holds that
+one object; each run's line goes to stderr as the run ends, as without ``--json``). The run
+directory gets
 ``metrics.jsonl`` (one line per run, step, timeline sample, shift and training span),
 ``summary.json`` (the report it prints),
 one Figure-10-style plot per deployment, ``report.html`` (``pivot report``: every run on one
@@ -159,7 +161,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help=f"warm-up steps per run, excluded from the throughput (default {WARMUP_STEPS})",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object on stdout (each run's line still goes to stderr as it ends)",
+    )
     p.add_argument("--run-dir", default=None, help="default runs/simulate/<workload>-<N>gpus-s<S>")
     p.add_argument("--horizon", type=float, default=None, help="planner horizon H in seconds")
     p.add_argument(
@@ -277,10 +283,18 @@ def main(args: argparse.Namespace) -> int:
     journals = run_dir / "journals"
 
     def progress(line: str) -> None:
-        if not args.json:
-            print(line, file=sys.stderr, flush=True)
+        # on stderr, with --json too: a default comparison runs for an hour, and its one
+        # JSON object is stdout's alone
+        print(line, file=sys.stderr, flush=True)
 
     finished: list[Any] = []  # the runs done so far: what Ctrl-C leaves in the run dir
+
+    def study_run(run: Any) -> None:
+        finished.append(run)
+        combined = run.bound_fractions().get("combined")
+        bound = "" if combined is None else f", {combined:.3f} of the combined bound"
+        progress(f"{run.label}: {run.samples_per_s:.3f} samples/s{bound}")
+
     # what was simulated, resolved (the workload with its defaults, the settings), for the report
     resolved = {
         "source": str(args.config),
@@ -305,7 +319,7 @@ def main(args: argparse.Namespace) -> int:
                 args.gpus,
                 settings,
                 journal_dir=journals,
-                on_run=finished.append,
+                on_run=study_run,
                 split=split,
             )
             report = _study_report(args.study, results, args, name)

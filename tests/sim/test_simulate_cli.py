@@ -13,26 +13,38 @@ from toy import toy_workload
 from pivot.cli import simulate
 
 
-def _run(argv: list[str], capsys) -> str:
+def _run(argv: list[str], capsys, err: list[str] | None = None) -> str:
+    """stdout; ``err`` gets stderr's lines."""
     parser = argparse.ArgumentParser(prog="pivot")
     sub = parser.add_subparsers(dest="command", required=True)
     simulate.add_parser(sub)
     args = parser.parse_args(["simulate", *argv])
     assert args.func(args) == 0
-    return capsys.readouterr().out
+    captured = capsys.readouterr()
+    if err is not None:
+        err.extend(captured.err.splitlines())
+    return captured.out
 
 
 def test_json_comparison_is_the_same_bytes_for_the_same_seed(tmp_path, capsys):
     toy_workload(tmp_path, prompts=2, samples=4, sigma=0.8, response=200, per_running=0.005)
     argv = [str(tmp_path / "toy.toml"), "--gpus", "8", "--steps", "1", "--warmup", "1"]
     argv += ["--json", "--no-wall", "--no-plot", "--run-dir", str(tmp_path / "run")]
-    first = _run(argv, capsys)
+    progress: list[str] = []
+    first = _run(argv, capsys, progress)
     metrics = (tmp_path / "run" / "metrics.jsonl").read_bytes()
     second = _run(argv, capsys)
     assert first == second
     assert (tmp_path / "run" / "metrics.jsonl").read_bytes() == metrics
     report = json.loads(first)
     assert set(report["throughput"]) == {"pivot", "colocated", "disaggregated", "rr-colocated"}
+    # stdout is the JSON object alone; how the runs went is said on stderr as they end
+    for kind in report["throughput"]:
+        table4 = report["splits"][kind]["table4"]
+        line = f"{kind} {table4} (table 4): "
+        said = [x for x in progress if x.startswith(line)]
+        rate = report["splits"][kind]["table4_samples_per_s"]
+        assert said == [f"{line}{rate:.3f} samples/s"], (kind, progress)
     for rates in report["throughput"].values():
         assert rates["samples_per_s"] > 0 and rates["tokens_per_s"] > 0
     assert set(report["speedup"]) == {"colocated", "disaggregated", "rr-colocated"}
@@ -197,9 +209,15 @@ def test_headroom_study_runs_pivotrl_on_clusters_that_leave_each_cost_out(tmp_pa
     )
     argv = [str(tmp_path / "toy.toml"), "--gpus", "8", "--steps", "2", "--warmup", "1"]
     argv += ["--study", "headroom", "--json", "--no-plot", "--run-dir", str(tmp_path / "run")]
-    rows = {r["label"]: r for r in json.loads(_run(argv, capsys))["results"]}
+    progress: list[str] = []
+    rows = {r["label"]: r for r in json.loads(_run(argv, capsys, progress))["results"]}
     labels = ["full", "free-prefill", "free-reprefill", "free-batching", "free-training", "all"]
     assert list(rows) == labels
+    assert progress == [
+        f"{k}: {r['samples_per_s']:.3f} samples/s, {r['bound']['combined']:.3f} of the "
+        "combined bound"
+        for k, r in rows.items()
+    ]
     assert all(set(r["bound"]) == {"work", "critical_path", "combined"} for r in rows.values())
 
     def judging_s(label: str) -> float:  # the reward role's engine device-seconds
