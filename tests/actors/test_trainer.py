@@ -808,21 +808,22 @@ async def test_a_helper_asked_twice_at_once_builds_its_model_once_and_answers_bo
         assert torch.equal(grad, tensors_from_wire(second.grads)[name]), name
 
 
+#: steps a helper gets to deliver in time: one that is late (its host's cores are busy) is
+#: dropped by design and its rounds go back to the ranks, so one step may count no help
+HELPED_STEP_TRIES = 3
+
+
 @ON_GROUP
 async def test_helpers_compute_part_of_a_step_and_the_step_is_the_batchs(group: Group) -> None:
     """Two replicas offered mid-step (ZeRO-2): one computes some rounds' gradients, the
     other cannot and its rounds go back to the ranks; the step's loss and gradient norm are
-    those of the whole batch at the step's weights. ZeRO-3 takes no helper."""
-    status = await group.ask(QueryTrainer(), expect=TrainerStatus)
-    version, weights = group.read_gps()
+    those of the whole batch at the step's weights, whether or not the helper's came in time,
+    and within a few steps one does. ZeRO-3 takes no helper."""
     samples = group.samples * 30  # 210 rows: 35 rounds of 3 a rank
     batch = build_batch(samples, pad_id=TextCodec.char().padding_id)
-    model = load_model(group.checkpoint, weights).train()
-    loss, _ = micro_batch_loss(model, batch, SETTINGS, denominator=batch.tokens)
-    loss.backward()
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
     # the helper's agent builds the policy's model on its first request: not in the step,
     # where the ranks would give up waiting for it
+    version, _ = group.read_gps()
     await group.probe.request(
         HELPER, helper_request(group, version, batch.rows(slice(0, 3))), timeout=TIMEOUT
     )
@@ -830,23 +831,33 @@ async def test_helpers_compute_part_of_a_step_and_the_step_is_the_batchs(group: 
         GradientHelper("rollout-7", "rollout", [7]),
         GradientHelper("reward-8", "reward", [8]),
     ]
-    train = asyncio.create_task(group.ask(TrainBatch(samples=samples, step=90), expect=Trained))
-    taken: list[str] = []
-    while not train.done() and len(taken) < len(offered):
-        offer = [h for h in offered if h.replica not in taken]
-        taken += (await group.ask(HelpTrainer(helpers=offer), expect=Helping)).replicas
-        await asyncio.sleep(0.002)
-    trained = await train
-    stats = trained.stats
-    assert stats.version == status.version + 1
-    assert stats.tokens == batch.tokens
-    assert stats.loss == pytest.approx(loss.item(), abs=1e-5)
-    assert stats.grad_norm == pytest.approx(norm.item(), rel=1e-4)
-    if status.zero_stage == 3:
-        assert not status.takes_helpers and taken == [] and stats.helped_tokens == 0
-        return
-    assert status.takes_helpers and sorted(taken) == ["reward-8", "rollout-7"]
-    assert 0 < stats.helped_tokens < stats.tokens
+    for attempt in range(HELPED_STEP_TRIES):
+        status = await group.ask(QueryTrainer(), expect=TrainerStatus)
+        _, weights = group.read_gps()
+        model = load_model(group.checkpoint, weights).train()
+        loss, _ = micro_batch_loss(model, batch, SETTINGS, denominator=batch.tokens)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+        step = TrainBatch(samples=samples, step=90 + attempt)
+        train = asyncio.create_task(group.ask(step, expect=Trained))
+        taken: list[str] = []
+        while not train.done() and len(taken) < len(offered):
+            offer = [h for h in offered if h.replica not in taken]
+            taken += (await group.ask(HelpTrainer(helpers=offer), expect=Helping)).replicas
+            await asyncio.sleep(0.002)
+        stats = (await train).stats
+        assert stats.version == status.version + 1
+        assert stats.tokens == batch.tokens
+        assert stats.loss == pytest.approx(loss.item(), abs=1e-5)
+        assert stats.grad_norm == pytest.approx(norm.item(), rel=1e-4)
+        if status.zero_stage == 3:
+            assert not status.takes_helpers and taken == [] and stats.helped_tokens == 0
+            return
+        assert status.takes_helpers and sorted(taken) == ["reward-8", "rollout-7"]
+        assert stats.helped_tokens < stats.tokens
+        if stats.helped_tokens > 0:
+            break
+    assert 0 < stats.helped_tokens, f"no helper delivered in time in {HELPED_STEP_TRIES} steps"
     after = await group.ask(QueryTrainer(fingerprints=True), expect=TrainerStatus)
     assert len(set(after.fingerprints)) == 1  # every rank made the same update
 
