@@ -283,8 +283,8 @@ def main(args: argparse.Namespace) -> int:
     journals = run_dir / "journals"
 
     def progress(line: str) -> None:
-        # on stderr, with --json too: a default comparison runs for an hour, and its one
-        # JSON object is stdout's alone
+        # on stderr, with --json too: a default comparison runs for tens of minutes, and its
+        # one JSON object is stdout's alone
         print(line, file=sys.stderr, flush=True)
 
     finished: list[Any] = []  # the runs done so far: what Ctrl-C leaves in the run dir
