@@ -11,6 +11,7 @@ Qwen3-30B-A3B, seconds).
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from pathlib import Path
@@ -58,6 +59,20 @@ PHASES = ("preprocess", "construction", "simulation", "total")
 
 def bench_cluster(devices: int) -> ClusterSpec:
     return scenarios.cluster_of(devices)
+
+
+def planner_devices(text: str) -> int:
+    """A ``--sizes`` entry: a device count the synthetic cluster is made of exactly, whole
+    hosts and at least two (``scenarios.cluster_of`` would round any other, and the table
+    would name a size it did not run)."""
+    value = int(text)
+    per_host = scenarios.DEVICES_PER_HOST
+    if value < 2 * per_host or value % per_host:
+        raise argparse.ArgumentTypeError(
+            f"want a multiple of {per_host} (devices per host) of at least {2 * per_host}, "
+            f"not {value}"
+        )
+    return value
 
 
 def bench_cost_models() -> dict[Role, CostModel]:

@@ -53,7 +53,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pivot.cli.flags import non_negative, positive
+from pivot.cli.flags import make_dir, non_negative, positive
 from pivot.deployment import BASELINES, DeploymentKind
 from pivot.timeline import steady_window
 
@@ -307,7 +307,10 @@ def main(args: argparse.Namespace) -> int:
     kinds = args.deployments or list(DEPLOYMENTS)
     # every deployment runs under the same pinning
     overrides = [] if args.pin_cores is None else [f"cluster.pin_cores={args.pin_cores}"]
-    root = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="pivot-bench-"))
+    if args.run_dir:
+        root = make_dir(args.run_dir, "--run-dir")
+    else:
+        root = Path(tempfile.mkdtemp(prefix="pivot-bench-"))
     done: dict[str, list[DeploymentRun]] = {kind: [] for kind in kinds}
     for r, kind in bench_order(kinds, args.rounds):
         if not args.json:
@@ -404,7 +407,7 @@ def add_parser(bench_sub) -> None:  # noqa: ANN001 - argparse's private subparse
         help="runs of every deployment, every other round in reverse order; samples/s is "
         "the median (default 1)",
     )
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=non_negative, default=None)
     pin = p.add_mutually_exclusive_group()
     pin.add_argument(
         "--pin-cores",

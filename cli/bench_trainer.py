@@ -214,9 +214,12 @@ COLUMNS = (
 
 def main(args: argparse.Namespace) -> int:
     from pivot.bus import configure_logging, run_real
+    from pivot.cli.run import check_model
     from pivot.grpo import TrainingSettings
 
     configure_logging("warning")  # stdout is the table (or the JSON lines)
+    # a folder the ranks cannot load is one line (exit 2) before any rank starts
+    check_model(Path(args.checkpoint))
     settings = TrainingSettings(zero_stage=args.zero_stage)
     if args.micro_batch_size is not None:
         settings = msgspec.structs.replace(settings, micro_batch_size=args.micro_batch_size)

@@ -1,9 +1,16 @@
 """Argument types the `pivot` subcommands share: a bad flag value is named by argparse with
-the flag, and the command exits 2 before anything runs."""
+the flag, and the command exits 2 before anything runs. Also the one way a command makes the
+folder a flag names (``make_dir``): one that cannot be made is a ``ConfigError`` (exit 2), not a
+traceback."""
 
 from __future__ import annotations
 
 import argparse
+import math
+from pathlib import Path
+from typing import NoReturn
+
+from pivot.config import ConfigError
 
 
 def positive(text: str) -> int:
@@ -22,12 +29,55 @@ def non_negative(text: str) -> int:
     return value
 
 
-def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Make a (sub)parser's bad-flag message one line, ``prog: error: message``, exit 2:
-    without the usage block, a script or a test reads the reason from stderr as is."""
+def _finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, not {text}")
+    return value
 
-    def error(message: str):
-        parser.exit(2, f"{parser.prog}: error: {message}\n")
 
-    parser.error = error  # type: ignore[method-assign]
-    return parser
+def positive_float(text: str) -> float:
+    """A number flag (seconds, say) that must be > 0."""
+    value = _finite(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, not {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A number flag that must be >= 0."""
+    value = _finite(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, not {text}")
+    return value
+
+
+def make_dir(path: str | Path, flag: str) -> Path:
+    """The folder ``flag`` names, made with its parents if it is not there yet."""
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(str(folder), flag, "a directory", "a file")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise unmade_dir(folder, flag, exc) from None
+    return folder
+
+
+def unmade_dir(folder: str | Path, flag: str, exc: OSError) -> ConfigError:
+    """What to say of the folder ``flag`` names when making or writing it failed."""
+    found = f"{type(exc).__name__}: {exc.strerror or exc}"
+    return ConfigError(str(folder), flag, "a directory pivot can make", found)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A parser whose bad-flag message is one line, ``prog: error: message``, exit 2: without
+    the usage block, a script or a test reads the reason from stderr as is (``--help`` still
+    shows the usage). argparse makes a parser's subparsers of its own class, so ``pivot``'s
+    every subcommand parser is one of these."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 from pivot import __version__
 from pivot.cli import interrupts
+from pivot.cli.bench_planner import planner_devices
+from pivot.cli.flags import OneLineParser, non_negative, positive
 from pivot.cli.runconfig import DEFAULT_CONFIG
 from pivot.config import ConfigError
 from pivot.deployment import KIND_NAMES
@@ -47,7 +49,7 @@ def _cmd_bench_planner(args: argparse.Namespace) -> int:
     from pivot.cli import bench_planner
 
     kwargs = {"sizes": tuple(args.sizes)} if args.sizes else {}
-    if args.repeats:
+    if args.repeats is not None:
         kwargs["repeats"] = args.repeats
     result = bench_planner.run_bench(seed=args.seed, **kwargs)
     print(json.dumps(result, sort_keys=True) if args.json else bench_planner.format_table(result))
@@ -62,7 +64,7 @@ def _cmd_bench_gps(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="pivot",
         description="RL post-training runtime that shifts devices between rollout, "
         "generative reward and training while the job runs.",
@@ -123,13 +125,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_bench_bus)
     p = bsub.add_parser("planner", help="planner decision time at 16..1024 devices")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--sizes", type=int, nargs="+", help="device counts (default 16..1024)")
-    p.add_argument("--repeats", type=int, default=None, help="decisions per size")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--sizes",
+        type=planner_devices,
+        nargs="+",
+        help="device counts, whole hosts of 4, at least two (default 16..1024)",
+    )
+    p.add_argument("--repeats", type=positive, default=None, help="decisions per size")
+    p.add_argument("--seed", type=non_negative, default=0)
     p.set_defaults(func=_cmd_bench_planner)
     p = bsub.add_parser("gps", help="parameter store Write/Read throughput (GB/s)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads")
-    p.add_argument("--repeat", type=int, default=10)
+    p.add_argument("--threads", type=positive, default=None, help="torch threads")
+    p.add_argument("--repeat", type=positive, default=10, help="timed repeats (default 10)")
     p.set_defaults(func=_cmd_bench_gps)
     from pivot.cli import bench_shift, bench_trainer
 

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pivot.cli.flags import one_line_errors, positive
+from pivot.cli.flags import non_negative, positive, unmade_dir
 from pivot.config import ConfigError
 
 if TYPE_CHECKING:
@@ -259,13 +259,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="a random-weight checkpoint with its own byte-level BPE tokenizer, in seconds",
         description=__doc__.split("\n\n")[0],
     )
-    one_line_errors(p)
     p.add_argument("dir", help="folder to write the checkpoint into")
     p.add_argument("--family", required=True, choices=tuple(CONFIG_CLASSES))
     p.add_argument("--vocab-size", type=positive, default=512, help="tokens (default 512)")
     p.add_argument("--hidden-size", type=positive, default=64, help="default 64")
     p.add_argument("--layers", type=positive, default=2, help="default 2")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=non_negative, default=0)
     p.add_argument(
         "--corpus", type=Path, default=None, help="FILE.jsonl or FILE.txt (default: built in)"
     )
@@ -292,6 +291,8 @@ def main(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise ConfigError("pivot new-model", "", "flags that make a model", str(exc)) from None
+    except OSError as exc:
+        raise unmade_dir(args.dir, "dir", exc) from None
     print(
         f"wrote {folder}: {args.family}, vocab {len(tokenizer)} ({style}, eos "
         f"{tokenizer.eos_token!r}), hidden {args.hidden_size}, {args.layers} layers, "

@@ -85,6 +85,9 @@ def table(rows: list[dict[str, Any]], columns: tuple[str, ...]) -> str:
 
 def cmd_ps(args: argparse.Namespace) -> int:
     roots = [Path(r) for r in args.root] if args.root else [RUNS]
+    for root in roots if args.root else ():  # (runs/ is not there until a job ran here)
+        if not root.is_dir():
+            raise BadRun(f"--root {root}: no such folder")
     rows = job_rows(roots, everything=args.all)
     print(table(rows, ("run", "pid", "step", "deployment", "state", "started")))
     return 0
@@ -202,7 +205,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("ps", help="this host's jobs (under runs/): step, deployment, state")
     p.add_argument("--all", action="store_true", help="finished jobs too (default: running)")
     p.add_argument("--root", action="append", metavar="DIR", help="look under DIR (default runs/)")
-    p.set_defaults(func=cmd_ps)
+    p.set_defaults(func=_bad_run(cmd_ps))
     p = sub.add_parser("stop", help="stop a job after the step it is in, checkpointed")
     p.add_argument("run", metavar="RUN", help="a run dir, or a run's name under runs/")
     p.add_argument("--now", action="store_true", help="abandon the step in progress")

@@ -56,6 +56,7 @@ from pivot.bus.errors import SecretError
 from pivot.bus.sockets import make_socket_dir, remove_orphaned_socket_dirs
 from pivot.bus.statsfile import BusStatsFile, read_stats_dir, trouble
 from pivot.bus.supervisor import ChildDidNotStart, SupervisorEscalation
+from pivot.cli.flags import make_dir
 from pivot.cli.inputs import EVAL_IDS, Inputs, read_inputs
 from pivot.cli.interrupts import Interrupted, signal_of
 from pivot.cli.jobfile import RUNNING, STARTING, JobFile
@@ -902,7 +903,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"{run_dir}: every step of {inputs.steps} is done; nothing to resume")
             return 0
         cut = rewind(run_dir, resume, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), overrides)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    make_dir(run_dir, "--run-dir")
     if resume is None:
         write_run_config(run_dir, job, config, overrides)
     else:  # the overrides of every start of the run, in order

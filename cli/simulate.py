@@ -73,7 +73,7 @@ from typing import Any
 
 import msgspec
 
-from pivot.cli.flags import non_negative, positive
+from pivot.cli.flags import make_dir, non_negative, non_negative_float, positive, positive_float
 from pivot.deployment import KIND_NAMES
 
 DEPLOYMENTS = ("all", *KIND_NAMES)
@@ -160,14 +160,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=WARMUP_STEPS,
         help=f"warm-up steps per run, excluded from the throughput (default {WARMUP_STEPS})",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=non_negative, default=0)
     p.add_argument(
         "--json",
         action="store_true",
         help="print one JSON object on stdout (each run's line still goes to stderr as it ends)",
     )
     p.add_argument("--run-dir", default=None, help="default runs/simulate/<workload>-<N>gpus-s<S>")
-    p.add_argument("--horizon", type=float, default=None, help="planner horizon H in seconds")
+    p.add_argument(
+        "--horizon", type=non_negative_float, default=None, help="planner horizon H in seconds"
+    )
     p.add_argument(
         "--ablation",
         action="append",
@@ -205,7 +207,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--interval",
-        type=float,
+        type=positive_float,
         default=1.0,
         help="Controller planning period in seconds (default 1, the paper's)",
     )
@@ -259,6 +261,12 @@ def main(args: argparse.Namespace) -> int:
             print(f"pivot simulate: --split {args.split}: {exc}", file=sys.stderr)
             return 2
     args.gpus = split.gpus if split is not None else args.gpus or 128
+    if split is None:
+        try:
+            _table4_splits(args, workload)
+        except DeploymentError as exc:
+            print(f"pivot simulate: --gpus {args.gpus}: {exc}", file=sys.stderr)
+            return 2
     planner: dict[str, Any] = {}
     if args.horizon is not None:
         planner["horizon_s"] = args.horizon
@@ -278,8 +286,9 @@ def main(args: argparse.Namespace) -> int:
     if planner:
         settings = pivot_settings(settings, **planner)
     name = workload.config.name
-    run_dir = Path(args.run_dir or f"runs/simulate/{name}-{args.gpus}gpus-s{args.seed}")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = make_dir(
+        args.run_dir or f"runs/simulate/{name}-{args.gpus}gpus-s{args.seed}", "--run-dir"
+    )
     journals = run_dir / "journals"
 
     def progress(line: str) -> None:
@@ -365,6 +374,20 @@ def main(args: argparse.Namespace) -> int:
     else:
         print(_format(report, plots))
     return 0
+
+
+def _table4_splits(args: argparse.Namespace, workload: Any) -> None:
+    """Each deployment the command runs at Table 4's split on ``--gpus`` devices, made here
+    so that a device count that cannot hold one is named before anything runs
+    (``DeploymentError``)."""
+    from pivot.deployment import DeploymentKind, table4_split
+
+    if args.study is not None:
+        kinds = [DeploymentKind.PIVOT.value]
+    else:
+        kinds = list(KIND_NAMES) if args.deployment == "all" else [args.deployment]
+    for kind in kinds:
+        table4_split(DeploymentKind(kind), args.gpus, workload.replica_sizes())
 
 
 def _given_split(args: argparse.Namespace, workload: Any) -> Any:

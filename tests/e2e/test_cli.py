@@ -204,3 +204,49 @@ def test_a_bad_flag_value_a_directory_config_and_a_file_run_dir_are_one_line(tmp
         assert main(argv) == 2, argv
         [line] = capsys.readouterr().err.splitlines()
         assert expected in line, (argv, line)
+
+
+def test_every_command_names_a_bad_flag_or_folder_in_one_line_before_it_runs(tmp_path, capsys):
+    from pivot.cli.main import main
+
+    repo = Path(__file__).resolve().parents[2]
+    workload = str(repo / "configs/sim/qwen2.5-7b_qwen3-30b-a3b.toml")  # GenRM replicas of 4
+    (tmp_path / "file").write_text("not a directory\n")
+    unmakeable = tmp_path / "file" / "run"  # under a file: no folder can be made there
+    simulated = tmp_path / "sim"
+    made = "expected a directory pivot can make, found NotADirectoryError"
+    cases = [
+        (["simulate", workload, "--interval", "0"], "argument --interval: must be > 0, not 0"),
+        (["simulate", workload, "--horizon", "-5"], "argument --horizon: must be >= 0, not -5"),
+        (["simulate", workload, "--horizon", "nan"], "--horizon: must be a finite number"),
+        (["simulate", workload, "--seed", "-1"], "argument --seed: must be at least 0, not -1"),
+        (
+            ["simulate", workload, "--gpus", "6", "--run-dir", str(simulated)],
+            "pivot simulate: --gpus 6: 6 devices are not a multiple of the replica size 4",
+        ),
+        (["simulate", workload, "--run-dir", str(unmakeable)], f"key '--run-dir': {made}"),
+        (["bench", "planner", "--sizes", "16", "6"], "--sizes: want a multiple of 4"),
+        (["bench", "planner", "--repeats", "0"], "argument --repeats: must be at least 1"),
+        (["bench", "gps", "--repeat", "0"], "argument --repeat: must be at least 1, not 0"),
+        (["bench", "gps", "--threads", "0"], "argument --threads: must be at least 1"),
+        (
+            ["bench", "shift", "--run-dir", str(tmp_path / "file")],
+            "key '--run-dir': expected a directory, found a file",
+        ),
+        (
+            ["bench", "trainer", "--checkpoint", str(tmp_path)],
+            f"{tmp_path}: expected a Hugging Face checkpoint folder, found no config.json",
+        ),
+        (["ps", "--root", str(tmp_path / "none")], f"--root {tmp_path / 'none'}: no such folder"),
+        (["new-model", str(unmakeable), "--family", "qwen2"], f"key 'dir': {made}"),
+        (["run", "--run-dir", str(unmakeable)], f"key '--run-dir': {made}"),
+    ]
+    for argv, expected in cases:
+        try:
+            code = main(argv)
+        except SystemExit as exc:  # argparse's exit, as the process would take it
+            code = exc.code
+        assert code == 2, argv
+        [line] = capsys.readouterr().err.splitlines()
+        assert expected in line, (argv, line)
+    assert not simulated.exists()  # named before its run dir was made
