@@ -13,20 +13,9 @@ from typing import NoReturn
 from pivot.config import ConfigError
 
 
-def positive(text: str) -> int:
-    """An int flag that must be at least 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
-
-
-def non_negative(text: str) -> int:
-    """An int flag that must be at least 0."""
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, not {value}")
-    return value
+def _ensure(ok: bool, rule: str, text: str) -> None:
+    if not ok:
+        raise argparse.ArgumentTypeError(f"must be {rule}, not {text}")
 
 
 def _finite(text: str) -> float:
@@ -34,24 +23,35 @@ def _finite(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, not {text}")
+    _ensure(math.isfinite(value), "a finite number", text)
+    return value
+
+
+def positive(text: str) -> int:
+    """An int flag that must be at least 1."""
+    value = int(text)
+    _ensure(value >= 1, "at least 1", text)
+    return value
+
+
+def non_negative(text: str) -> int:
+    """An int flag that must be at least 0."""
+    value = int(text)
+    _ensure(value >= 0, "at least 0", text)
     return value
 
 
 def positive_float(text: str) -> float:
     """A number flag (seconds, say) that must be > 0."""
     value = _finite(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, not {text}")
+    _ensure(value > 0, "> 0", text)
     return value
 
 
 def non_negative_float(text: str) -> float:
     """A number flag that must be >= 0."""
     value = _finite(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, not {text}")
+    _ensure(value >= 0, ">= 0", text)
     return value
 
 
