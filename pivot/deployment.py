@@ -146,12 +146,11 @@ def table4_split(kind: DeploymentKind | str, gpus: int, sizes: Mapping[Role, int
         raise DeploymentError(f"{gpus} devices are not a multiple of the replica size {unit}")
     if kind is DeploymentKind.COLOCATED:
         return Split(kind=kind, gpus=gpus, shared=gpus, training=gpus)
-    if gpus < 2 * unit:
-        raise DeploymentError(f"{kind.value} needs at least {2 * unit} devices, got {gpus}")
+    pools = 3 if kind is DeploymentKind.DISAGGREGATED else 2  # a replica at least each
+    if gpus < pools * unit:
+        raise DeploymentError(f"{kind.value} needs at least {pools * unit} devices, got {gpus}")
     training = min(_round_to(gpus / 2, unit, unit), gpus - unit)
     if kind is DeploymentKind.DISAGGREGATED:
-        if gpus < 3 * unit:
-            raise DeploymentError(f"disaggregated needs at least {3 * unit} devices, got {gpus}")
         training = min(training, gpus - 2 * unit)
         inference = gpus - training
         rollout = _round_to(inference / 2, unit, unit)

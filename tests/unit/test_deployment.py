@@ -103,3 +103,13 @@ def test_every_split_a_report_names_reads_back_as_that_split(kind):
 def test_a_split_label_of_no_known_form_says_which_forms_there_are(label, message):
     with pytest.raises(DeploymentError, match=message):
         parse_split(label)
+
+
+@pytest.mark.parametrize(
+    ("kind", "fewest"), [("disaggregated", 12), ("pivot", 8), ("rr-colocated", 8)]
+)
+def test_too_few_devices_for_table_4s_split_names_the_fewest_it_takes(kind, fewest):
+    for gpus in range(4, fewest, 4):  # whole replicas of 4 (the reward's), too few
+        with pytest.raises(DeploymentError, match=f"needs at least {fewest} devices, got {gpus}"):
+            table4_split(kind, gpus, SIZES)
+    assert table4_split(kind, fewest, SIZES).gpus == fewest
