@@ -214,7 +214,7 @@ COLUMNS = (
 
 def main(args: argparse.Namespace) -> int:
     from pivot.bus import configure_logging, run_real
-    from pivot.cli.run import check_model
+    from pivot.cli.run import check_model, logs_to
     from pivot.grpo import TrainingSettings
 
     configure_logging("warning")  # stdout is the table (or the JSON lines)
@@ -226,7 +226,12 @@ def main(args: argparse.Namespace) -> int:
     if not args.json:
         print("  ".join(f"{c:>16s}" for c in COLUMNS), flush=True)
     for world_size, helpers in itertools.product(args.world_sizes, args.helpers):
-        with tempfile.TemporaryDirectory(prefix="pivot-bench-") as run:
+        # the ranks' logs (and DeepSpeed's and transformers' chatter) go to the run's log:
+        # stdout is the table, stderr the one line of a failure
+        with (
+            tempfile.TemporaryDirectory(prefix="pivot-bench-") as run,
+            logs_to(Path(run) / "actors.log"),
+        ):
             result = run_real(
                 bench(
                     args.checkpoint,

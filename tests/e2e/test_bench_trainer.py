@@ -1,6 +1,7 @@
 """`pivot bench trainer`: short real runs of a one-rank DeepSpeed group through the bench
 (the command runs in this process; the rank and the helper's agent are child processes), one
-JSON line per run alone on stdout."""
+JSON line per run alone on stdout, and nothing on stderr (the ranks' logs go to the run's
+log)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ from pivot.assets import ASSETS
 from pivot.cli.main import main
 
 
-def test_bench_trainer_prints_one_json_line_per_world_size_and_helper_count(capsys):
+def test_bench_trainer_prints_one_json_line_per_world_size_and_helper_count(capfd):
     argv = ["bench", "trainer", "--json", "--checkpoint", str(ASSETS / "tiny-policy")]
     argv += ["--world-sizes", "1", "--helpers", "0", "1", "--micro-batch-size", "8"]
     assert main([*argv, "--steps", "2"]) == 0
-    out = capsys.readouterr()
+    out = capfd.readouterr()
+    assert out.err == ""
     alone, helped = (json.loads(line) for line in out.out.splitlines())
     for result, helpers in ((alone, 0), (helped, 1)):
         assert (result["world_size"], result["helpers"], result["sequences"]) == (1, helpers, 64)
