@@ -208,7 +208,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--interval",
         type=positive_float,
-        default=1.0,
+        default=None,
         help="Controller planning period in seconds (default 1, the paper's)",
     )
     p.add_argument(
@@ -267,6 +267,10 @@ def main(args: argparse.Namespace) -> int:
         except DeploymentError as exc:
             print(f"pivot simulate: --gpus {args.gpus}: {exc}", file=sys.stderr)
             return 2
+    misplaced = _misplaced_flag(args, split)
+    if misplaced is not None:
+        print(f"pivot simulate: {misplaced}", file=sys.stderr)
+        return 2
     planner: dict[str, Any] = {}
     if args.horizon is not None:
         planner["horizon_s"] = args.horizon
@@ -277,10 +281,11 @@ def main(args: argparse.Namespace) -> int:
         steps=args.steps,
         warmup=args.warmup,
         seed=args.seed,
-        controller_interval_s=args.interval,
         router=rule,
         prior_itl_scale=dict(args.prior_itl_scale),
     )
+    if args.interval is not None:
+        settings = msgspec.structs.replace(settings, controller_interval_s=args.interval)
     if args.roles == "held":
         planner["shift_roles"] = False
     if planner:
@@ -377,17 +382,46 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _table4_splits(args: argparse.Namespace, workload: Any) -> None:
-    """Each deployment the command runs at Table 4's split on ``--gpus`` devices, made here
-    so that a device count that cannot hold one is named before anything runs
+    """Each deployment the command runs, deployed at Table 4's split on ``--gpus`` devices
+    here, so that a device count that cannot hold one is named before anything runs
     (``DeploymentError``)."""
+    from pivot.actors.simulation import simulation_deployment
     from pivot.deployment import DeploymentKind, table4_split
 
+    for kind in _kinds(args, None):
+        split = table4_split(DeploymentKind(kind), args.gpus, workload.replica_sizes())
+        simulation_deployment(workload, split)  # raises where the hosts or replicas do not fit
+
+
+def _kinds(args: argparse.Namespace, split: Any) -> list[str]:
+    """The deployments the command runs: ``split``'s (``--split``), or PivotRL (a study),
+    or ``--deployment``'s."""
+    if split is not None:
+        return [split.kind.value]
     if args.study is not None:
-        kinds = [DeploymentKind.PIVOT.value]
-    else:
-        kinds = list(KIND_NAMES) if args.deployment == "all" else [args.deployment]
-    for kind in kinds:
-        table4_split(DeploymentKind(kind), args.gpus, workload.replica_sizes())
+        return ["pivot"]
+    return list(KIND_NAMES) if args.deployment == "all" else [args.deployment]
+
+
+def _misplaced_flag(args: argparse.Namespace, split: Any) -> str | None:
+    """A flag that none of this command's runs takes, said in one line (None: none)."""
+    if args.study == "horizon" and args.horizon is not None:
+        return "--horizon: --study horizon runs PivotRL at each H of 5..90 s itself"
+    kinds = _kinds(args, split)
+    runs = args.deployment if split is None else f"--split {split.label()}"
+    pivot_only = {"--ablation": bool(args.ablation), "--roles": args.roles != "best"}
+    for flag, given in pivot_only.items():
+        if given and "pivot" not in kinds:
+            return f"{flag} sets PivotRL's planner, and {runs} runs no PivotRL"
+    controller = {
+        "--horizon": args.horizon is not None,
+        "--interval": args.interval is not None,
+        "--prior-itl-scale": bool(args.prior_itl_scale),
+    }
+    for flag, given in controller.items():
+        if given and kinds == ["disaggregated"]:  # (the one deployment without a Controller)
+            return f"{flag} is the Controller's, and {runs} runs no Controller"
+    return None
 
 
 def _given_split(args: argparse.Namespace, workload: Any) -> Any:

@@ -225,6 +225,18 @@ def test_every_command_names_a_bad_flag_or_folder_in_one_line_before_it_runs(tmp
             "pivot simulate: --gpus 6: 6 devices are not a multiple of the replica size 4",
         ),
         (["simulate", workload, "--run-dir", str(unmakeable)], f"key '--run-dir': {made}"),
+        (
+            ["simulate", workload, "--ablation", "no-refit", "--deployment", "colocated"],
+            "--ablation sets PivotRL's planner, and colocated runs no PivotRL",
+        ),
+        (
+            ["simulate", workload, "--interval", "2", "--deployment", "disaggregated"],
+            "--interval is the Controller's, and disaggregated runs no Controller",
+        ),
+        (
+            ["simulate", workload, "--study", "horizon", "--horizon", "30"],
+            "--horizon: --study horizon runs PivotRL at each H of 5..90 s itself",
+        ),
         (["bench", "planner", "--sizes", "16", "6"], "--sizes: want a multiple of 4"),
         (["bench", "planner", "--repeats", "0"], "argument --repeats: must be at least 1"),
         (["bench", "gps", "--repeat", "0"], "argument --repeat: must be at least 1, not 0"),
