@@ -62,6 +62,15 @@ def main(args: argparse.Namespace) -> int:
     except BadRun as exc:
         print(f"pivot monitor: {exc}", file=sys.stderr)
         return 2
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        # the screen needs both: without, Textual's driver hangs (measured: stdin from
+        # /dev/null, or stdout to a file, never returned)
+        print(
+            f"pivot monitor: {run_dir}: needs a terminal (stdin and stdout); "
+            f"pivot report {run_dir} writes it as an HTML file",
+            file=sys.stderr,
+        )
+        return 2
     from pivot.cli.monitor_app import MonitorApp
 
     MonitorApp(source, run_name=run_dir.name).run()

@@ -214,6 +214,9 @@ def test_every_command_names_a_bad_flag_or_folder_in_one_line_before_it_runs(tmp
     (tmp_path / "file").write_text("not a directory\n")
     unmakeable = tmp_path / "file" / "run"  # under a file: no folder can be made there
     simulated = tmp_path / "sim"
+    recorded = tmp_path / "recorded"  # a run's events, for a screen this test has not
+    recorded.mkdir()
+    (recorded / "events.jsonl").write_text("")
     made = "expected a directory pivot can make, found NotADirectoryError"
     cases = [
         (["simulate", workload, "--interval", "0"], "argument --interval: must be > 0, not 0"),
@@ -250,6 +253,7 @@ def test_every_command_names_a_bad_flag_or_folder_in_one_line_before_it_runs(tmp
             f"{tmp_path}: expected a Hugging Face checkpoint folder, found no config.json",
         ),
         (["ps", "--root", str(tmp_path / "none")], f"--root {tmp_path / 'none'}: no such folder"),
+        (["monitor", str(recorded)], f"{recorded}: needs a terminal (stdin and stdout)"),
         (["new-model", str(unmakeable), "--family", "qwen2"], f"key 'dir': {made}"),
         (["run", "--run-dir", str(unmakeable)], f"key '--run-dir': {made}"),
     ]
