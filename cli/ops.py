@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
 import time
@@ -178,6 +179,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
     path = run_dir / LOG_FILE
     if not path.is_file():
         raise BadRun(f"{run_dir}: no {LOG_FILE}")
+    printed = 0
     with path.open(errors="replace") as log:
         lines = _follow(log, run_dir) if args.follow else log
         try:
@@ -185,9 +187,23 @@ def cmd_logs(args: argparse.Namespace) -> int:
                 text = render(line, args.actor)
                 if text is not None:
                     print(text, flush=args.follow)
+                    printed += 1
         except BrokenPipeError:  # `pivot logs RUN | head`
             sys.stderr.close()
+    if args.actor is not None and not printed and not args.follow:
+        # (followed, an actor may yet start: a restarted one, a helper)
+        raise BadRun(f"{path}: no line of actor {args.actor!r}; its actors: {_actors(path)}")
     return 0
+
+
+def _actors(path: Path) -> str:
+    """The actors with a line in the log at ``path``, sorted and joined."""
+    names = set()
+    with path.open(errors="replace") as log:
+        for line in log:
+            with contextlib.suppress(ValueError, AttributeError):
+                names.add(str(json.loads(line).get("actor", "")))
+    return ", ".join(sorted(names - {""})) or "none"
 
 
 def _bad_run(func):  # noqa: ANN001, ANN202
