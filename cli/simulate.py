@@ -74,9 +74,11 @@ from typing import Any
 import msgspec
 
 from pivot.cli.flags import make_dir, non_negative, non_negative_float, positive, positive_float
-from pivot.deployment import KIND_NAMES
+from pivot.deployment import KIND_NAMES, DeploymentKind
 
 DEPLOYMENTS = ("all", *KIND_NAMES)
+PIVOT = DeploymentKind.PIVOT.value
+UNMANAGED = DeploymentKind.DISAGGREGATED.value  # the one deployment without a Controller
 # The default regime (issue 16, measured at 128 devices): with staleness 2 the steps come in
 # rounds of three batches that start and end together, so the warm-up is the first round and
 # the measured steps are whole rounds. The run's pace is set by each batch's longest response
@@ -399,7 +401,7 @@ def _kinds(args: argparse.Namespace, split: Any) -> list[str]:
     if split is not None:
         return [split.kind.value]
     if args.study is not None:
-        return ["pivot"]
+        return [PIVOT]
     return list(KIND_NAMES) if args.deployment == "all" else [args.deployment]
 
 
@@ -411,7 +413,7 @@ def _misplaced_flag(args: argparse.Namespace, split: Any) -> str | None:
     runs = args.deployment if split is None else f"--split {split.label()}"
     pivot_only = {"--ablation": bool(args.ablation), "--roles": args.roles != "best"}
     for flag, given in pivot_only.items():
-        if given and "pivot" not in kinds:
+        if given and PIVOT not in kinds:
             return f"{flag} sets PivotRL's planner, and {runs} runs no PivotRL"
     controller = {
         "--horizon": args.horizon is not None,
@@ -419,7 +421,7 @@ def _misplaced_flag(args: argparse.Namespace, split: Any) -> str | None:
         "--prior-itl-scale": bool(args.prior_itl_scale),
     }
     for flag, given in controller.items():
-        if given and kinds == ["disaggregated"]:  # (the one deployment without a Controller)
+        if given and kinds == [UNMANAGED]:
             return f"{flag} is the Controller's, and {runs} runs no Controller"
     return None
 
