@@ -78,7 +78,6 @@ from pivot.deployment import KIND_NAMES, DeploymentKind
 
 DEPLOYMENTS = ("all", *KIND_NAMES)
 PIVOT = DeploymentKind.PIVOT.value
-UNMANAGED = DeploymentKind.DISAGGREGATED.value  # the one deployment without a Controller
 # The default regime (issue 16, measured at 128 devices): with staleness 2 the steps come in
 # rounds of three batches that start and end together, so the warm-up is the first round and
 # the measured steps are whole rounds. The run's pace is set by each batch's longest response
@@ -263,13 +262,12 @@ def main(args: argparse.Namespace) -> int:
             print(f"pivot simulate: --split {args.split}: {exc}", file=sys.stderr)
             return 2
     args.gpus = split.gpus if split is not None else args.gpus or 128
-    if split is None:
-        try:
-            _table4_splits(args, workload)
-        except DeploymentError as exc:
-            print(f"pivot simulate: --gpus {args.gpus}: {exc}", file=sys.stderr)
-            return 2
-    misplaced = _misplaced_flag(args, split)
+    try:
+        deployments = _deployments(args, workload, split)
+    except DeploymentError as exc:  # (a --split's were checked above)
+        print(f"pivot simulate: --gpus {args.gpus}: {exc}", file=sys.stderr)
+        return 2
+    misplaced = _misplaced_flag(args, split, deployments)
     if misplaced is not None:
         print(f"pivot simulate: {misplaced}", file=sys.stderr)
         return 2
@@ -383,37 +381,39 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _table4_splits(args: argparse.Namespace, workload: Any) -> None:
-    """Each deployment the command runs, deployed at Table 4's split on ``--gpus`` devices
-    here, so that a device count that cannot hold one is named before anything runs
+def _deployments(args: argparse.Namespace, workload: Any, split: Any) -> dict[str, Any]:
+    """Where each deployment the command runs starts, by kind: ``split``'s (``--split``), or
+    at Table 4's split on ``--gpus`` devices PivotRL's (a study) or ``--deployment``'s. Planned
+    here so that a device count that cannot hold one is named before anything runs
     (``DeploymentError``)."""
     from pivot.actors.simulation import simulation_deployment
-    from pivot.deployment import DeploymentKind, table4_split
+    from pivot.deployment import table4_split
 
-    for kind in _kinds(args, None):
-        split = table4_split(DeploymentKind(kind), args.gpus, workload.replica_sizes())
-        simulation_deployment(workload, split)  # raises where the hosts or replicas do not fit
-
-
-def _kinds(args: argparse.Namespace, split: Any) -> list[str]:
-    """The deployments the command runs: ``split``'s (``--split``), or PivotRL (a study),
-    or ``--deployment``'s."""
     if split is not None:
-        return [split.kind.value]
-    if args.study is not None:
-        return [PIVOT]
-    return list(KIND_NAMES) if args.deployment == "all" else [args.deployment]
+        splits = [split]
+    else:
+        if args.study is not None:
+            kinds = [PIVOT]
+        elif args.deployment == "all":
+            kinds = list(KIND_NAMES)
+        else:
+            kinds = [args.deployment]
+        sizes = workload.replica_sizes()
+        splits = [table4_split(DeploymentKind(k), args.gpus, sizes) for k in kinds]
+    return {s.kind.value: simulation_deployment(workload, s) for s in splits}
 
 
-def _misplaced_flag(args: argparse.Namespace, split: Any) -> str | None:
-    """A flag that none of this command's runs takes, said in one line (None: none)."""
+def _misplaced_flag(
+    args: argparse.Namespace, split: Any, deployments: dict[str, Any]
+) -> str | None:
+    """A flag that none of this command's ``deployments`` takes, said in one line (None:
+    none)."""
     if args.study == "horizon" and args.horizon is not None:
         return "--horizon: --study horizon runs PivotRL at each H of 5..90 s itself"
-    kinds = _kinds(args, split)
     runs = args.deployment if split is None else f"--split {split.label()}"
     pivot_only = {"--ablation": bool(args.ablation), "--roles": args.roles != "best"}
     for flag, given in pivot_only.items():
-        if given and PIVOT not in kinds:
+        if given and PIVOT not in deployments:
             return f"{flag} sets PivotRL's planner, and {runs} runs no PivotRL"
     controller = {
         "--horizon": args.horizon is not None,
@@ -421,7 +421,7 @@ def _misplaced_flag(args: argparse.Namespace, split: Any) -> str | None:
         "--prior-itl-scale": bool(args.prior_itl_scale),
     }
     for flag, given in controller.items():
-        if given and kinds == [UNMANAGED]:
+        if given and not any(d.managed for d in deployments.values()):  # (0: no Controller)
             return f"{flag} is the Controller's, and {runs} runs no Controller"
     return None
 
