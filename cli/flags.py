@@ -55,11 +55,18 @@ def non_negative_float(text: str) -> float:
     return value
 
 
-def make_dir(path: str | Path, flag: str) -> Path:
-    """The folder ``flag`` names, made with its parents if it is not there yet."""
+def not_a_file(path: str | Path, flag: str) -> Path:
+    """The folder ``flag`` names, refused if a file is there (a caller may check this well
+    before it makes the folder, so that bad input makes nothing)."""
     folder = Path(path)
     if folder.exists() and not folder.is_dir():
         raise ConfigError(str(folder), flag, "a directory", "a file")
+    return folder
+
+
+def make_dir(path: str | Path, flag: str) -> Path:
+    """The folder ``flag`` names, made with its parents if it is not there yet."""
+    folder = not_a_file(path, flag)
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

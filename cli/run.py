@@ -56,7 +56,7 @@ from pivot.bus.errors import SecretError
 from pivot.bus.sockets import make_socket_dir, remove_orphaned_socket_dirs
 from pivot.bus.statsfile import BusStatsFile, read_stats_dir, trouble
 from pivot.bus.supervisor import ChildDidNotStart, SupervisorEscalation
-from pivot.cli.flags import make_dir
+from pivot.cli.flags import make_dir, not_a_file
 from pivot.cli.inputs import EVAL_IDS, Inputs, read_inputs
 from pivot.cli.interrupts import Interrupted, signal_of
 from pivot.cli.jobfile import RUNNING, STARTING, JobFile
@@ -891,9 +891,7 @@ def main(args: argparse.Namespace) -> int:
         # --resume must be that config but for the keys they set)
         config = check_resumed_config(run_dir, args.config, overrides)
     else:
-        run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir()
-        if run_dir.exists() and not run_dir.is_dir():
-            raise ConfigError(str(run_dir), "--run-dir", "a directory", "a file")
+        run_dir = not_a_file(args.run_dir or _default_run_dir(), "--run-dir")
         refuse_existing_run(run_dir)
         config = args.config or DEFAULT_CONFIG
     job, policy, genrm, inputs = prepare(config, overrides=overrides)
